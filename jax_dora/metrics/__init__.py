@@ -1,0 +1,1 @@
+"""jax_dora.metrics."""

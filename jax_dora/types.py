@@ -1,0 +1,82 @@
+"""Host-side records that cross module boundaries.
+
+They live in one module so that the data pipeline, rollout servers, orchestrator
+and learner agree on a single definition of a prompt and a trajectory; the
+integrity checks (every sample trained once, groups complete) key on
+``(sample_id, member)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """One task instance. ``sample_id`` identifies the GRPO group it spawns."""
+
+  sample_id: int
+  task: str
+  text: str
+  answer: str
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSpan:
+  """Completion tokens ``[start, end)`` were sampled by policy ``version``."""
+
+  start: int
+  end: int
+  version: int
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """A completed (or aborted) generation with everything the learner needs.
+
+  ``behaviour_logprobs`` are the log-probs under the policy that actually
+  sampled each token, so the learner's importance ratios stay correct when the
+  trajectory is consumed off-policy.
+  """
+
+  sample_id: int
+  member: int
+  prompt: Prompt
+  prompt_tokens: np.ndarray
+  completion_tokens: np.ndarray
+  behaviour_logprobs: np.ndarray
+  spans: list[TokenSpan]
+  finish_reason: str  # "eos" | "length" | "aborted"
+  reward: float | None = None
+  start_version: int = -1
+  finish_version: int = -1
+  consumed_version: int = -1
+  submit_time: float = 0.0
+  finish_time: float = 0.0
+
+  @property
+  def key(self) -> tuple[int, int]:
+    return (self.sample_id, self.member)
+
+  @property
+  def num_completion_tokens(self) -> int:
+    return int(len(self.completion_tokens))
+
+  @property
+  def behaviour_versions(self) -> list[int]:
+    return sorted({s.version for s in self.spans})
+
+  @property
+  def oldest_version(self) -> int:
+    return min(s.version for s in self.spans) if self.spans else self.start_version
+
+  def token_versions(self) -> np.ndarray:
+    """Per-completion-token policy version, expanded from ``spans``."""
+    out = np.full((self.num_completion_tokens,), -1, dtype=np.int32)
+    for s in self.spans:
+      out[s.start:s.end] = s.version
+    return out
