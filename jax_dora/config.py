@@ -1,0 +1,160 @@
+"""Default run configuration and the checks that keep bad configs from running.
+
+Every field a user may override with ``--config.x=y`` is declared here, so
+ml_collections rejects unknown keys at parse time (``KeyError`` naming the
+key) instead of a typo silently falling back to a default. ``configs/*.py``
+start from :func:`base_config` and change only what differs.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+MODES = (
+    "sync",
+    "one_step_off",
+    "partial_rollout",
+    "async_unfiltered",
+    "dora",
+    "dora_pace",
+)
+ASYNC_MODES = MODES[1:]
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Returns the full default configuration (small enough for a CPU)."""
+  from jax_dora.data import default_data_config  # pylint: disable=g-import-not-at-top
+
+  c = ml_collections.ConfigDict()
+  c.mode = "sync"
+  c.seed = 0
+  c.output_dir = "runs/default"
+  # "all": learner + embedded rollout servers in one process (Colab / CPU / single host).
+  # "learner" / "rollout": separate processes or TPU slices (see launchers/).
+  c.role = "all"
+  c.total_steps = 60
+  c.log_every = 1
+  c.progress_bar = True
+
+  c.model = ml_collections.ConfigDict(
+      dict(
+          d_model=64,
+          n_layers=2,
+          n_heads=4,
+          d_ff=256,
+          max_seq_len=96,
+          rope_base=10000.0,
+          dtype="float32",
+      )
+  )
+
+  c.data = default_data_config()
+
+  c.learner = ml_collections.ConfigDict(
+      dict(
+          learning_rate=3e-3,
+          warmup_steps=5,
+          weight_decay=0.0,
+          grad_clip=1.0,
+          group_size=8,  # G: completions per prompt (GRPO group)
+          groups_per_step=8,  # prompts per optimizer step
+          clip_eps=0.2,
+          clip_eps_high=0.28,
+          kl_coef=0.0,
+          advantage_eps=1e-6,
+          normalize_adv_std=True,
+          # Learner devices: the first `num_devices` of jax.devices() (-1 = all not
+          # given to rollout). Mesh axes (data, fsdp, tensor); -1 absorbs the rest.
+          num_devices=-1,
+          mesh_data=-1,
+          mesh_fsdp=1,
+          mesh_tensor=1,
+      )
+  )
+
+  c.rollout = ml_collections.ConfigDict(
+      dict(
+          num_servers=1,
+          devices_per_server=1,
+          slots=16,  # decode slots per server (max_concurrent_decodes)
+          max_prefill_length=32,
+          max_new_tokens=48,
+          temperature=1.0,
+          top_p=1.0,
+          max_versions=3,  # policy versions a server may hold at once
+          # Server mode (role=rollout / learner with remote servers).
+          port=9000,
+          server_addresses="",  # comma-separated host:port; empty = embedded servers
+          request_timeout_s=120.0,
+      )
+  )
+
+  c.snapshots = ml_collections.ConfigDict(
+      dict(directory="", max_to_keep=4)  # "" = <output_dir>/snapshots
+  )
+
+  c.orchestrator = ml_collections.ConfigDict(
+      dict(
+          max_staleness=2,
+          # Requests in flight per server beyond its slots (keeps slots full).
+          queue_depth=4,
+          # partial_rollout: batch deadline as a fraction of the longest rollout.
+          partial_rollout_fraction=0.5,
+          max_server_restarts=3,
+      )
+  )
+
+  c.pace = ml_collections.ConfigDict(
+      dict(
+          target_pool_groups=4,
+          gain=0.5,
+          min_budget=0,
+          max_budget=4,
+          smoothing=0.5,
+          generation_weight=0.5,
+          waiting_weight=1.0,
+          on_reject="regenerate",
+      )
+  )
+
+  c.checkpoint = ml_collections.ConfigDict(
+      dict(every_steps=0, max_to_keep=2, resume=True)  # 0 = only at the end
+  )
+
+  c.eval = ml_collections.ConfigDict(dict(every_steps=10, num_prompts=64))
+
+  c.distributed = ml_collections.ConfigDict(
+      dict(
+          enabled=False,
+          coordinator_address="",
+          num_processes=-1,
+          process_id=-1,
+      )
+  )
+  return c
+
+
+class ConfigError(ValueError):
+  """A config value is out of range or inconsistent with another."""
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raises :class:`ConfigError` with an actionable message on bad values."""
+  if c.mode not in MODES:
+    raise ConfigError(f"config.mode={c.mode!r} is not one of {MODES}")
+  if c.role not in ("all", "learner", "rollout"):
+    raise ConfigError(f"config.role={c.role!r} must be all, learner or rollout")
+  if c.learner.group_size < 2:
+    raise ConfigError("config.learner.group_size must be >= 2 for GRPO advantages")
+  if c.orchestrator.max_staleness < 0:
+    raise ConfigError("config.orchestrator.max_staleness must be >= 0")
+  if c.rollout.max_versions < 1:
+    raise ConfigError("config.rollout.max_versions must be >= 1")
+  need = c.rollout.max_prefill_length + c.rollout.max_new_tokens
+  if need > c.model.max_seq_len:
+    raise ConfigError(
+        f"rollout.max_prefill_length + rollout.max_new_tokens = {need} exceeds"
+        f" model.max_seq_len = {c.model.max_seq_len}"
+    )
+  if c.pace.on_reject not in ("regenerate", "drop"):
+    raise ConfigError("config.pace.on_reject must be 'regenerate' or 'drop'")

@@ -1,0 +1,116 @@
+"""The rollout contract between the orchestrator and rollout servers.
+
+One protocol, two transports: :class:`RolloutClient` is implemented by the
+embedded client (in-process driver on local devices) and by the gRPC client
+(remote JetStream-style server). The orchestrator only ever sees this file,
+which is what lets the Colab/CPU path and the TPU-pod path be the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from jax_dora.types import TokenSpan
+
+
+class RolloutError(RuntimeError):
+  """A request could not be completed (server died, aborted, timed out).
+
+  Carries the ids of every request that was in flight so that the caller can
+  account for them (re-issue or record as failed) instead of losing them.
+  """
+
+  def __init__(self, message: str, failed_request_ids: tuple[str, ...] = ()):
+    super().__init__(message)
+    self.failed_request_ids = tuple(failed_request_ids)
+
+
+class VersionUnavailableError(RolloutError):
+  """The requested policy version is not (or no longer) loaded on the server."""
+
+
+@dataclasses.dataclass
+class RolloutRequest:
+  """Generate up to ``max_new_tokens`` after ``prompt_tokens``.
+
+  ``resume_*`` carry an interrupted rollout's prefix: the server continues it
+  (with its newest version) and returns the *whole* completion with the spans
+  of every version that wrote part of it.
+  """
+
+  request_id: str
+  prompt_tokens: np.ndarray  # int32, starts with BOS
+  max_new_tokens: int
+  version: int | None = None  # None = newest loaded version (the DORA rule)
+  resume_tokens: np.ndarray | None = None
+  resume_logprobs: np.ndarray | None = None
+  resume_spans: tuple[TokenSpan, ...] = ()
+
+
+@dataclasses.dataclass
+class RolloutChunk:
+  """Tokens streamed since the previous chunk, all from one version."""
+
+  request_id: str
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  version: int
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  request_id: str
+  completion_tokens: np.ndarray  # int32, includes EOS when finish_reason == "eos"
+  logprobs: np.ndarray  # float32, behaviour log-prob per completion token
+  spans: tuple[TokenSpan, ...]
+  finish_reason: str  # "eos" | "length" | "aborted"
+  prefill_version: int  # version that computed the prompt's KV cache this time
+
+
+@dataclasses.dataclass
+class ServerStatus:
+  versions_loaded: tuple[int, ...]
+  newest_version: int | None
+  active_slots: int
+  total_slots: int
+  queued_requests: int
+  slot_versions: tuple[int, ...]  # pinned version per active slot
+  generated_tokens: int  # since start
+  busy_time_s: float  # wall time spent in prefill/generate since start
+
+
+@runtime_checkable
+class RolloutClient(Protocol):
+  """What the orchestrator needs from one rollout server."""
+
+  name: str
+
+  async def load_version(self, version: int) -> None:
+    """Loads snapshot ``version`` from the snapshot directory (idempotent).
+
+    After it returns, new requests with ``version=None`` start on it; older
+    versions stay loaded while a slot still uses them (up to the server's cap).
+    """
+
+  def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
+    """Streams tokens as they are generated; the last item is a RolloutResult.
+
+    Raises RolloutError if the server fails mid-stream.
+    """
+
+  async def generate(self, request: RolloutRequest) -> RolloutResult:
+    """Convenience: consume :meth:`stream` and return the final result."""
+
+  async def abort(self, request_ids: list[str]) -> None:
+    """Stops those requests; their streams end with finish_reason 'aborted'
+    and the partial completion (tokens, logprobs, spans) so they can resume."""
+
+  async def status(self) -> ServerStatus:
+    ...
+
+  async def close(self) -> None:
+    ...
