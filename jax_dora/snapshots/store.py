@@ -1,0 +1,416 @@
+"""Versioned policy-parameter snapshots: the learner -> rollout channel.
+
+The learner publishes policy parameters under a monotonically increasing
+``version``; rollout servers (other processes, possibly other hosts) poll the
+same directory and load whichever version they need. The directory is the only
+shared state, so correctness hinges on one property: a reader must never
+observe a half-written snapshot. We get that from Orbax rather than inventing a
+protocol:
+
+* On local/POSIX filesystems Orbax writes each step into
+  ``<step>.orbax-checkpoint-tmp-<ts>/`` and atomically renames it to ``<step>/``
+  only after every item has been written (``AtomicRenameTemporaryPath``).
+* On GCS, where renames are not atomic, Orbax writes ``commit_success.txt``
+  last (``CommitFileTemporaryPath``) and readers ignore steps without it.
+
+``SnapshotReader`` lists versions with the same Orbax ``NameFormat`` the
+publisher uses, which applies exactly those finalization checks, so a version
+is visible iff it is complete.
+
+Retention (``max_to_keep``) is the other hazard: a reader may be loading a
+version at the moment the publisher garbage-collects it. On local filesystems
+we ask Orbax to *rename* doomed steps into a trash sub-directory
+(``todelete_subdir``) before we delete them, so a version disappears from the
+listing atomically instead of being visible while half-deleted. A load that
+fails because its version vanished mid-read is reported as
+``SnapshotNotFoundError`` (and retried automatically when loading the latest),
+never as corruption.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from etils import epath
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_log = logging.getLogger(__name__)
+
+PyTree = Any
+
+_PARAMS = 'params'
+_METADATA = 'metadata'
+# Orbax renames garbage-collected steps here (local filesystems only); the
+# leading dot keeps it out of the step-name regex so readers never list it.
+_TRASH_SUBDIR = '.snapshot-trash'
+# How many times ``load(None)`` chases a newer latest version when the one it
+# picked is garbage-collected mid-read. Each retry implies the publisher made
+# progress, so a small bound suffices.
+_LATEST_RETRIES = 8
+
+
+class SnapshotError(Exception):
+  """Base class for snapshot-store failures."""
+
+
+class SnapshotNotFoundError(SnapshotError):
+  """The requested version is not (or no longer) published."""
+
+
+class SnapshotCorruptError(SnapshotError):
+  """A finalized version exists but cannot be read back."""
+
+
+def _name_format() -> ocp.step.NameFormat:
+  # Publisher and reader must agree on step naming *and* on the finalization
+  # checks; sharing one factory guarantees both.
+  return ocp.step.standard_name_format()
+
+
+def _list_versions(directory: epath.Path) -> list[int]:
+  """Finalized versions in ``directory``, read from storage (never cached)."""
+  last_error: Exception | None = None
+  # A concurrent rename/delete by the publisher can make an entry vanish
+  # between ``iterdir`` and its finalization check; a re-scan is then correct.
+  for _ in range(3):
+    try:
+      return sorted(m.step for m in _name_format().find_all(directory))
+    except FileNotFoundError as e:
+      last_error = e
+  raise SnapshotError(
+      f'Could not list snapshots in {directory}: {last_error}'
+  ) from last_error
+
+
+def _is_local(directory: epath.Path) -> bool:
+  return not str(directory).startswith('gs://')
+
+
+class SnapshotPublisher:
+  """Publishes versioned parameter snapshots into ``directory``.
+
+  Wraps ``ocp.CheckpointManager`` with two items per version: ``params``
+  (``StandardSave``; arbitrary pytree of jax/numpy arrays, sharded arrays are
+  written by their owning devices) and ``metadata`` (``JsonSave``; small dict,
+  e.g. training step, timestamps). Version numbers are Orbax steps.
+
+  Atomicity comes from Orbax's tmp-dir + finalize protocol (see module
+  docstring): readers in other processes only ever see fully written
+  versions, which is why the publisher needs no lock or side channel.
+
+  There must be a single publisher per directory: versions must strictly
+  increase (a rollout server that saw version ``v`` must never see a
+  different ``v`` later), and the publisher cleans up stale tmp dirs from a
+  crashed predecessor on start-up.
+  """
+
+  def __init__(
+      self,
+      directory: str | epath.Path,
+      max_to_keep: int | None = 4,
+      async_save: bool = False,
+  ):
+    """Opens (creating if needed) the snapshot directory.
+
+    Args:
+      directory: Local path or ``gs://`` URL shared with the readers.
+      max_to_keep: Number of newest versions retained; ``None`` keeps all.
+        Readers lagging further behind than this get ``SnapshotNotFoundError``.
+      async_save: If True, ``publish`` returns once arrays are copied off the
+        device and the write/finalize happens in a background thread, so the
+        learner can keep training. Call ``wait_until_finished`` to block.
+    """
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
+    self._directory = epath.Path(directory)
+    self._local = _is_local(self._directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        enable_async_checkpointing=async_save,
+        step_name_format=_name_format(),
+        # Leftover ``*.orbax-checkpoint-tmp-*`` dirs are from a crashed
+        # publisher; they are invisible to readers but waste space.
+        cleanup_tmp_directories=True,
+        todelete_subdir=_TRASH_SUBDIR if self._local else None,
+        create=True,
+    )
+    self._manager = ocp.CheckpointManager(
+        self._directory, item_names=(_PARAMS, _METADATA), options=options
+    )
+    existing = self._manager.all_steps()
+    self._last_version: int | None = max(existing) if existing else None
+    self._closed = False
+
+  @property
+  def directory(self) -> epath.Path:
+    return self._directory
+
+  @property
+  def last_version(self) -> int | None:
+    """Highest version published (including ones found on disk at start)."""
+    return self._last_version
+
+  def publish(
+      self, version: int, params: PyTree, metadata: dict[str, Any] | None = None
+  ) -> None:
+    """Writes ``params`` as ``version``; visible to readers once finalized.
+
+    Args:
+      version: Non-negative int, strictly greater than any published before.
+      params: Pytree of arrays. Sharded ``jax.Array``s are fine.
+      metadata: JSON-serializable dict stored alongside the params.
+
+    Raises:
+      ValueError: ``version`` is not strictly increasing / not an int.
+      TypeError: ``metadata`` is not a JSON-serializable dict.
+      SnapshotError: the publisher is closed or Orbax declined to save.
+    """
+    if self._closed:
+      raise SnapshotError(f'Publisher for {self._directory} is closed.')
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+      raise ValueError(f'version must be an int, got {version!r}')
+    version = int(version)
+    if version < 0:
+      raise ValueError(f'version must be >= 0, got {version}')
+    if self._last_version is not None and version <= self._last_version:
+      raise ValueError(
+          f'Snapshot versions must strictly increase in {self._directory}: '
+          f'got {version} after {self._last_version}.'
+      )
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict):
+      raise TypeError(f'metadata must be a dict, got {type(metadata)}')
+    # Fail here, with a clear message, rather than inside Orbax's (possibly
+    # background) writer after the params are already half written.
+    try:
+      json.dumps(metadata)
+    except (TypeError, ValueError) as e:
+      raise TypeError(f'metadata is not JSON-serializable: {e}') from e
+
+    self._purge_trash()
+    saved = self._manager.save(
+        version,
+        args=ocp.args.Composite(**{
+            _PARAMS: ocp.args.StandardSave(params),
+            _METADATA: ocp.args.JsonSave(metadata),
+        }),
+        force=True,
+    )
+    if not saved:
+      raise SnapshotError(
+          f'Orbax declined to save version {version} in {self._directory}.'
+      )
+    self._last_version = version
+
+  def wait_until_finished(self) -> None:
+    """Blocks until every pending (async) publish is finalized."""
+    self._manager.wait_until_finished()
+    self._purge_trash()
+
+  def close(self) -> None:
+    """Finishes pending writes and releases Orbax resources. Idempotent."""
+    if self._closed:
+      return
+    self._manager.wait_until_finished()
+    self._manager.close()
+    self._purge_trash()
+    self._closed = True
+
+  def __enter__(self) -> SnapshotPublisher:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def _purge_trash(self) -> None:
+    """Physically deletes versions Orbax already (atomically) retired.
+
+    Only the trash's children are removed, never the trash dir itself,
+    because Orbax may be renaming into it from its background thread.
+    """
+    if not self._local:
+      return
+    trash = self._directory / _TRASH_SUBDIR
+    try:
+      if not trash.exists():
+        return
+      for entry in trash.iterdir():
+        entry.rmtree(missing_ok=True)
+    except OSError as e:  # Best effort: leftovers cost disk, not correctness.
+      _log.warning('Could not purge %s: %s', trash, e)
+
+
+def abstract_target_like(
+    params: PyTree, sharding: jax.sharding.Sharding | PyTree
+) -> PyTree:
+  """Builds a restore target: ``ShapeDtypeStruct``s of ``params`` + sharding.
+
+  Rollout servers restore onto their own devices (disjoint from the
+  learner's), so they need a target that carries shape/dtype of the policy
+  and *their* shardings, without allocating anything.
+
+  Args:
+    params: Pytree whose leaves have ``.shape``/``.dtype`` (arrays or
+      ``ShapeDtypeStruct``s), e.g. from ``jax.eval_shape(init_fn)``.
+    sharding: One ``jax.sharding.Sharding`` for every leaf, or a pytree of
+      shardings with the same structure as ``params``.
+
+  Returns:
+    Pytree of ``jax.ShapeDtypeStruct`` with ``sharding`` set.
+  """
+
+  def make(leaf: Any, s: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
+    dtype = leaf.dtype if hasattr(leaf, 'dtype') else np.asarray(leaf).dtype
+    return jax.ShapeDtypeStruct(np.shape(leaf), dtype, sharding=s)
+
+  if isinstance(sharding, jax.sharding.Sharding):
+    return jax.tree.map(lambda leaf: make(leaf, sharding), params)
+  return jax.tree.map(make, params, sharding)
+
+
+class SnapshotReader:
+  """Reads snapshots published by a ``SnapshotPublisher``, possibly elsewhere.
+
+  Stateless with respect to the directory: every call re-scans storage,
+  because the publisher lives in another process and any cache would be
+  stale. Safe to use from several threads.
+  """
+
+  def __init__(self, directory: str | epath.Path):
+    self._directory = epath.Path(directory)
+
+  @property
+  def directory(self) -> epath.Path:
+    return self._directory
+
+  def versions(self) -> list[int]:
+    """Finalized versions, ascending. Empty if the directory is absent."""
+    return _list_versions(self._directory)
+
+  def latest_version(self) -> int | None:
+    versions = self.versions()
+    return versions[-1] if versions else None
+
+  def wait_for_version(
+      self, min_version: int, timeout_s: float, poll_s: float = 0.05
+  ) -> int:
+    """Polls until some version >= ``min_version`` is finalized.
+
+    Returns:
+      The latest version at that moment (>= ``min_version``).
+
+    Raises:
+      TimeoutError: nothing new enough appeared within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+      latest = self.latest_version()
+      if latest is not None and latest >= min_version:
+        return latest
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        raise TimeoutError(
+            f'No snapshot version >= {min_version} in {self._directory} '
+            f'after {timeout_s:.3f}s (latest: {latest}).'
+        )
+      time.sleep(min(poll_s, remaining))
+
+  def load(
+      self, version: int | None = None, target: PyTree | None = None
+  ) -> tuple[PyTree, dict[str, Any]]:
+    """Loads ``(params, metadata)`` of ``version`` (default: latest).
+
+    Args:
+      version: Version to load; ``None`` means the latest. With ``None`` a
+        version garbage-collected mid-read is retried with the new latest.
+      target: Optional pytree of ``jax.ShapeDtypeStruct`` (see
+        ``abstract_target_like``) or arrays whose shardings say where to put
+        each leaf. If ``None``, leaves land on the default device: the saved
+        shardings name the *publisher's* devices, which need not exist here.
+
+    Raises:
+      SnapshotNotFoundError: no such (or no) finalized version.
+      SnapshotCorruptError: the version is listed but unreadable; the Orbax /
+        TensorStore / JSON exception is chained as ``__cause__``.
+    """
+    if version is not None:
+      return self._load_version(int(version), target)
+    for _ in range(_LATEST_RETRIES):
+      latest = self.latest_version()
+      if latest is None:
+        raise SnapshotNotFoundError(
+            f'No snapshots published in {self._directory} yet.'
+        )
+      try:
+        return self._load_version(latest, target)
+      except SnapshotNotFoundError:
+        continue  # Retired while we read it; a newer one exists.
+    raise SnapshotNotFoundError(
+        f'Latest snapshot in {self._directory} kept being garbage-collected '
+        f'while loading ({_LATEST_RETRIES} attempts); the reader is too slow '
+        'for the publisher\'s max_to_keep.'
+    )
+
+  def _load_version(
+      self, version: int, target: PyTree | None
+  ) -> tuple[PyTree, dict[str, Any]]:
+    available = self.versions()
+    if version not in available:
+      raise SnapshotNotFoundError(
+          f'Snapshot version {version} not found in {self._directory}; '
+          f'available versions: {available}.'
+      )
+    path = ocp.step.build_step_path(self._directory, _name_format(), version)
+    try:
+      params, metadata = self._restore(path, target)
+      if not isinstance(metadata, dict):
+        raise TypeError(f'metadata is {type(metadata)}, expected dict')
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # Distinguish "retired under our feet" (normal under retention) from
+      # genuine damage: only the latter still lists the version.
+      still_there = self.versions()
+      if version not in still_there:
+        raise SnapshotNotFoundError(
+            f'Snapshot version {version} in {self._directory} was removed '
+            f'while loading; available versions: {still_there}.'
+        ) from e
+      raise SnapshotCorruptError(
+          f'Snapshot version {version} in {self._directory} is corrupt or '
+          f'incompatible with the restore target: {type(e).__name__}: {e}'
+      ) from e
+    return params, metadata
+
+  def _restore(
+      self, path: epath.Path, target: PyTree | None
+  ) -> tuple[PyTree, Any]:
+    # A fresh Checkpointer per load keeps the reader thread-safe and avoids a
+    # CheckpointManager's cached step list, which would go stale as the
+    # publisher advances.
+    checkpointer = ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(**{
+            _PARAMS: ocp.StandardCheckpointHandler(),
+            _METADATA: ocp.JsonCheckpointHandler(),
+        })
+    )
+    if target is None:
+      tree = checkpointer.metadata(path).item_metadata[_PARAMS]
+      if tree is None:
+        raise ValueError(f'No params metadata under {path}')
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      target = jax.tree.map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+          tree.tree if hasattr(tree, 'tree') else tree,
+      )
+    restored = checkpointer.restore(
+        path,
+        args=ocp.args.Composite(**{
+            _PARAMS: ocp.args.StandardRestore(target),
+            _METADATA: ocp.args.JsonRestore(),
+        }),
+    )
+    return restored[_PARAMS], restored[_METADATA]
