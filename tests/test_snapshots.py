@@ -293,3 +293,18 @@ def test_atomic_publish_under_concurrency(tmp_path):
   assert n in seen
   # The reader must have overlapped with the writer, or the test is vacuous.
   assert len(seen) >= 3, (seen, vanished)
+
+
+def test_discard_after_removes_newer_versions(tmp_path):
+  """A resumed run drops versions a killed run published after its checkpoint."""
+  params = {'w': np.zeros((2,), np.float32)}
+  with SnapshotPublisher(tmp_path / 'snaps', max_to_keep=None) as pub:
+    for v in range(4):
+      pub.publish(v, {'w': params['w'] + v})
+    assert pub.discard_after(1) == [2, 3]
+    assert pub.last_version == 1
+    pub.publish(2, {'w': params['w'] + 20})
+  reader = SnapshotReader(tmp_path / 'snaps')
+  assert reader.versions() == [0, 1, 2]
+  loaded, _ = reader.load(2)
+  np.testing.assert_allclose(np.asarray(loaded['w']), 20.0)

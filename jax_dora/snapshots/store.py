@@ -207,6 +207,25 @@ class SnapshotPublisher:
       )
     self._last_version = version
 
+  def discard_after(self, version: int) -> list[int]:
+    """Deletes every version newer than ``version``; returns what it removed.
+
+    Used when a run resumes from a checkpoint taken at ``version``: snapshots
+    the killed run published afterwards belong to a discarded future and must
+    not be mistaken for the resumed run's versions of the same number.
+    """
+    self._manager.wait_until_finished()
+    self._manager.reload()
+    removed = sorted(v for v in self._manager.all_steps() if v > version)
+    for v in removed:
+      self._manager.delete(v)
+    self._purge_trash()
+    if removed:
+      _log.warning('Discarded snapshot versions %s newer than %d', removed, version)
+    remaining = self._manager.all_steps()
+    self._last_version = max(remaining) if remaining else None
+    return removed
+
   def wait_until_finished(self) -> None:
     """Blocks until every pending (async) publish is finalized."""
     self._manager.wait_until_finished()
