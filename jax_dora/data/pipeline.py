@@ -1,0 +1,234 @@
+"""Grain prompt pipeline: checkpointable, deterministic, held-out eval split.
+
+Pipeline (all index-based, so every element is a pure function of its
+position and resuming needs only an integer)::
+
+  MapDataset.range(num_examples)            # example indices
+    .shuffle(seed)                          # new permutation every epoch
+    .repeat(num_epochs or None)             # None = forever
+    .map_with_index(position, index -> Prompt)
+    .to_iter_dataset(num_threads=0)         # in-memory: no reader threads
+
+The prompt *content* is a function of ``(seed, example_index)`` only: the task
+and its parameters come from ``np.random.default_rng([seed, index])``. The
+``sample_id`` is the element's *stream position*, so ids are unique and
+strictly increasing across epochs and restarts (the same example index seen
+in two epochs yields two distinct GRPO groups).
+
+Held-out split: a prompt belongs to eval iff ``crc32(task:text)`` falls in the
+lowest ``heldout_fraction`` of the hash range. Training prompts are
+rejection-sampled (with the same per-index rng, so still deterministic) to lie
+outside it and eval prompts inside it, which makes the two sets disjoint *by
+text*, not only by seed: short prompts such as ``"rep 1 a:"`` would otherwise
+occur in both. Eval prompts use ``eval_seed`` and negative sample ids
+``-1, -2, ...`` so they never collide with training groups.
+
+Config fields (``cfg.data``, defaults in :func:`jax_dora.data.default_data_config`):
+
+* ``tasks`` (str): comma-separated task names, e.g. ``"repeat,add,sort,reverse"``.
+* ``task_weights`` (str): comma-separated mixture weights, same order
+  (normalised; empty = uniform).
+* ``seed`` (int): seeds prompt content and the per-epoch shuffle.
+* ``eval_seed`` (int): seeds held-out prompt content.
+* ``heldout_fraction`` (float): share of the prompt-hash space reserved for
+  eval, in ``(0, 1)``.
+* ``max_answer_len`` (int): longest answer in characters; keep it
+  ``<= rollout.max_new_tokens`` so the tail can be answered in full.
+* ``max_prompt_len`` (int): longest prompt text; keep it
+  ``<= rollout.max_prefill_length - 1`` (BOS).
+* ``length_alpha`` (float): exponent of the answer-length power law
+  (``P(L) ∝ L**-alpha``); smaller = heavier tail.
+* ``num_examples`` (int): example indices per epoch.
+* ``num_epochs`` (int): passes over them; ``0`` = repeat forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from typing import Any, Iterator
+
+import grain
+import ml_collections
+import numpy as np
+
+from jax_dora.tasks import TaskMixture
+from jax_dora.types import Prompt
+
+_STATE_VERSION = 1
+_MAX_SPLIT_TRIES = 10_000
+_HASH_RANGE = 2**32
+
+
+def _data_cfg(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Accepts the full run config or its ``data`` sub-config."""
+  return cfg.data if "data" in cfg else cfg
+
+
+def _split_list(value: Any, cast: type) -> list[Any]:
+  if isinstance(value, str):
+    return [cast(v.strip()) for v in value.split(",") if v.strip()]
+  return [cast(v) for v in value]
+
+
+def make_mixture(cfg: ml_collections.ConfigDict) -> TaskMixture:
+  """The task mixture described by ``cfg.data``."""
+  d = _data_cfg(cfg)
+  names = _split_list(d.tasks, str)
+  weights = _split_list(d.task_weights, float) or None
+  return TaskMixture(
+      names,
+      weights,
+      max_answer_len=d.max_answer_len,
+      max_prompt_len=d.max_prompt_len,
+      alpha=d.length_alpha,
+  )
+
+
+def is_heldout(prompt: Prompt, heldout_fraction: float) -> bool:
+  """Whether ``prompt``'s text lies in the eval part of the hash space."""
+  h = zlib.crc32(f"{prompt.task}:{prompt.text}".encode())
+  return h < heldout_fraction * _HASH_RANGE
+
+
+def _draw(
+    mixture: TaskMixture,
+    seed: int,
+    index: int,
+    sample_id: int,
+    heldout_fraction: float,
+    want_heldout: bool,
+) -> Prompt:
+  """Deterministic prompt for ``(seed, index)`` on the requested side of the split."""
+  rng = np.random.default_rng([seed, index])
+  for _ in range(_MAX_SPLIT_TRIES):
+    p = mixture.make_prompt(sample_id, rng)
+    if is_heldout(p, heldout_fraction) == want_heldout:
+      return p
+  raise RuntimeError(
+      f"no {'eval' if want_heldout else 'train'} prompt after {_MAX_SPLIT_TRIES}"
+      f" draws (seed={seed}, index={index}); heldout_fraction={heldout_fraction}"
+      " is too extreme for this task mixture"
+  )
+
+
+def _check(d: ml_collections.ConfigDict) -> None:
+  if not 0.0 < d.heldout_fraction < 1.0:
+    raise ValueError(f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
+  if d.num_examples < 1:
+    raise ValueError(f"data.num_examples={d.num_examples} must be >= 1")
+  if d.num_epochs < 0:
+    raise ValueError(f"data.num_epochs={d.num_epochs} must be >= 0 (0 = forever)")
+  if d.seed == d.eval_seed:
+    raise ValueError(f"data.eval_seed must differ from data.seed (both {d.seed})")
+
+
+def make_prompt_dataset(cfg: ml_collections.ConfigDict) -> grain.MapDataset:
+  """Training prompts as a ``MapDataset`` whose element ``i`` has ``sample_id == i``."""
+  d = _data_cfg(cfg)
+  _check(d)
+  mixture = make_mixture(d)
+  seed, frac = int(d.seed), float(d.heldout_fraction)
+
+  def to_prompt(position: int, index: int) -> Prompt:
+    return _draw(mixture, seed, int(index), int(position), frac, want_heldout=False)
+
+  return (
+      grain.MapDataset.range(int(d.num_examples))
+      .shuffle(seed=seed)
+      .repeat(int(d.num_epochs) or None)
+      .map_with_index(to_prompt)
+  )
+
+
+def make_eval_prompts(cfg: ml_collections.ConfigDict, n: int) -> list[Prompt]:
+  """``n`` held-out prompts (``eval_seed``, ids ``-1..-n``), disjoint by text from training."""
+  d = _data_cfg(cfg)
+  _check(d)
+  mixture = make_mixture(d)
+  return [
+      _draw(mixture, int(d.eval_seed), i, -(i + 1), float(d.heldout_fraction), want_heldout=True)
+      for i in range(int(n))
+  ]
+
+
+def config_fingerprint(cfg: ml_collections.ConfigDict) -> str:
+  """Short hash of the fields that determine the stream's contents."""
+  d = _data_cfg(cfg)
+  keys = ("tasks", "task_weights", "seed", "heldout_fraction", "max_answer_len",
+          "max_prompt_len", "length_alpha", "num_examples", "num_epochs")
+  blob = json.dumps({k: str(d[k]) for k in keys}, sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class PromptStream:
+  """Checkpointable iterator of training prompts.
+
+  The orchestrator pulls with :meth:`next_prompt`; the run checkpoint stores
+  :meth:`get_state` (a small JSON-serialisable dict) and a resumed run calls
+  :meth:`set_state` on a fresh stream, which then yields exactly the prompts
+  the old one would have yielded next, with the same sample ids.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict):
+    self._fingerprint = config_fingerprint(cfg)
+    ds = make_prompt_dataset(cfg)
+    # Prompts are generated in memory in microseconds: reader threads would
+    # only add GIL contention and make the state harder to reason about.
+    self._iter = ds.to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    ).__iter__()
+    self._next_sample_id = 0
+
+  @property
+  def next_sample_id(self) -> int:
+    """The sample id the next call to :meth:`next_prompt` will return."""
+    return self._next_sample_id
+
+  def next_prompt(self) -> Prompt:
+    """Returns the next training prompt.
+
+    Raises:
+      StopIteration: after ``num_epochs`` epochs (never when it is 0).
+    """
+    p = next(self._iter)
+    if p.sample_id != self._next_sample_id:
+      raise RuntimeError(
+          f"stream out of sync: got sample_id {p.sample_id}, expected {self._next_sample_id}"
+      )
+    self._next_sample_id += 1
+    return p
+
+  def __iter__(self) -> Iterator[Prompt]:
+    return self
+
+  def __next__(self) -> Prompt:
+    return self.next_prompt()
+
+  def get_state(self) -> dict[str, Any]:
+    return {
+        "version": _STATE_VERSION,
+        "next_sample_id": self._next_sample_id,
+        "fingerprint": self._fingerprint,
+        "grain": self._iter.get_state(),
+    }
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues from ``state``; rejects states from a different data config.
+
+    Raises:
+      ValueError: unknown state version, or the data config that produced the
+        state differs from this stream's (resuming would repeat or skip
+        samples).
+    """
+    if state.get("version") != _STATE_VERSION:
+      raise ValueError(f"unsupported PromptStream state version {state.get('version')!r}")
+    if state.get("fingerprint") != self._fingerprint:
+      raise ValueError(
+          "PromptStream state was saved with a different data config"
+          f" (fingerprint {state.get('fingerprint')} != {self._fingerprint});"
+          " restore with the original cfg.data"
+      )
+    self._iter.set_state(state["grain"])
+    self._next_sample_id = int(state["next_sample_id"])
