@@ -33,6 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
   # "learner" / "rollout": separate processes or TPU slices (see launchers/).
   c.role = "all"
   c.total_steps = 60
+  # Stop after this many seconds of training wall time even if total_steps is
+  # not reached (0 = no limit). Benchmarks compare modes at equal budgets.
+  c.max_wall_time_s = 0.0
   c.log_every = 1
   c.progress_bar = True
 
@@ -78,7 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
           devices_per_server=1,
           slots=16,  # decode slots per server (max_concurrent_decodes)
           max_prefill_length=32,
-          max_new_tokens=48,
+          max_new_tokens=56,
           temperature=1.0,
           top_p=1.0,
           max_versions=3,  # policy versions a server may hold at once
@@ -121,7 +124,7 @@ def base_config() -> ml_collections.ConfigDict:
       dict(every_steps=0, max_to_keep=2, resume=True)  # 0 = only at the end
   )
 
-  c.eval = ml_collections.ConfigDict(dict(every_steps=10, num_prompts=64))
+  c.eval = ml_collections.ConfigDict(dict(every_steps=10, num_prompts=64, at_start=True))
 
   c.distributed = ml_collections.ConfigDict(
       dict(
@@ -155,6 +158,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(
         f"rollout.max_prefill_length + rollout.max_new_tokens = {need} exceeds"
         f" model.max_seq_len = {c.model.max_seq_len}"
+    )
+  if c.data.max_answer_len + 1 > c.rollout.max_new_tokens:
+    raise ConfigError(
+        f"data.max_answer_len={c.data.max_answer_len} needs rollout.max_new_tokens >="
+        f" {c.data.max_answer_len + 1} (answer + EOS)"
+    )
+  if c.data.max_prompt_len + 1 > c.rollout.max_prefill_length:
+    raise ConfigError(
+        f"data.max_prompt_len={c.data.max_prompt_len} needs rollout.max_prefill_length >="
+        f" {c.data.max_prompt_len + 1} (prompt + BOS)"
     )
   if c.pace.on_reject not in ("regenerate", "drop"):
     raise ConfigError("config.pace.on_reject must be 'regenerate' or 'drop'")

@@ -39,14 +39,18 @@ def test_exact_answer_scores_one_empty_zero_partial_between(name):
     s = task.score(p, wrong_last)
     assert 0.0 <= s < 1.0
     if len(p.answer) > 1:
-      assert 0.0 < s <= 0.5
+      assert 0.5 <= s < 1.0  # right length, mostly right characters, not exact
 
 
 def test_shaped_score_penalises_rambling_and_stopping_short():
   assert shaped_score("1234", "1234") == 1.0
-  assert shaped_score("1234", "12") == pytest.approx(0.25)  # 2 / 4 chars, not exact
-  assert shaped_score("1234", "1234xxxx") == pytest.approx(0.25)  # 4 / 8
-  assert shaped_score("1234", "9999") == 0.0
+  # length 0.5, charset 1, accuracy 2/4, not exact
+  assert shaped_score("1234", "12") == pytest.approx(0.5)
+  # length 0.5, charset 0.5, accuracy 4/8: rambling costs on three terms
+  assert shaped_score("1234", "1234xxxx") == pytest.approx(0.375)
+  # right length only
+  assert shaped_score("1234", "9999") == pytest.approx(0.25)
+  assert shaped_score("1234", "4321") == pytest.approx(0.5)
   rng = np.random.default_rng(0)
   for _ in range(200):
     a = "".join(rng.choice(list("ab"), size=rng.integers(1, 6)))
