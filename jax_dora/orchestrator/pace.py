@@ -1,0 +1,273 @@
+"""PACE: Pool-Aware Control of Effective Staleness.
+
+When rollout servers produce faster than the learner consumes, complete groups
+pile up in the pool and every one of them grows staler with each learner step.
+Training on all of them keeps the learner on ever older data; the hard bound
+only throws data away once it is already too old. PACE instead watches the
+*excess* pool occupancy and rejects a few of the stalest complete groups early,
+so the pool stays near a target and the data trained on stays fresh.
+
+Budget (groups rejected per learner version)
+--------------------------------------------
+``excess = occupancy - target_pool_groups`` where occupancy counts complete
+groups (optionally excluding ``reserve_groups``, the next batch).
+``raw = gain * max(excess, 0)`` is smoothed across versions,
+``ema_v = smoothing * ema_{v-1} + (1 - smoothing) * raw``, and
+
+``budget = 0`` if ``excess <= 0``, else
+``min(clip(round(ema_v), min_budget, max_budget), excess)``, where ``ema_v``
+is the largest smoothed value seen during version ``v`` and ``excess`` counts
+groups already rejected in ``v`` (each call rejects at most the current excess
+and what is left of the version's budget).
+
+So PACE never rejects while the pool is at or below target, never rejects the
+pool below target, and at most ``max_budget`` groups per version. The budget is
+per *version*: the orchestrator asks on every pool change, but a version's
+rejections are counted against one budget, which is what makes ``gain`` a rate
+(groups per learner step per group of excess) rather than "empty the excess on
+the next arrival". Smoothing keeps one burst of arrivals from causing a burst
+of rejections.
+
+Score (which groups)
+--------------------
+Rejecting on raw effective staleness would mostly reject long answers: a
+rollout of ``L`` tokens spans about ``k * L`` published versions just because
+it is long (``k`` = versions per generated token). That biases GRPO toward
+short answers on exactly the long-tailed tasks where async rollout pays off.
+PACE therefore scores a complete group as::
+
+  score = waiting_weight    * (v_now - v_complete)
+        + generation_weight * mean_i max(0, g_i - k * L_i - generation_slack)
+
+* ``v_now - v_complete``: versions the *complete* group has waited in the pool
+  (queueing the orchestrator caused; a member's wait for its slow sibling is
+  not counted, else groups with one long member would be penalised);
+* ``g_i``: token-weighted generation staleness of member ``i``
+  (:func:`staleness.generation_staleness`, prefix-aware for resumed rollouts);
+  ``k * L_i`` is the part explained by its length, so only *unexplained*
+  generation staleness (server stalls, queueing before admission) counts;
+* ``k`` = ``versions_per_token`` if set, else estimated from the pool as
+  ``sum_i g_i / sum_i L_i`` over the candidate groups (a ratio of sums, so
+  the long rollouts that dominate the token count also set the reference);
+* ``generation_slack`` (versions) absorbs the discreteness of versions: any
+  rollout, however short, may straddle one publish by bad luck.
+
+Defaults weight waiting (1.0) above unexplained generation (0.5). A long
+single-version rollout that generated at the reference rate thus scores only
+its waiting time and is never ranked worse than a short one that has waited
+longer. Ties are broken towards the older group (FIFO), which is closest to
+the hard bound anyway.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from jax_dora.orchestrator import staleness as staleness_lib
+from jax_dora.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+Group = Sequence[Trajectory]
+ON_REJECT = ("regenerate", "drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class PaceConfig:
+  """PACE knobs; see the module docstring for how each enters the formulas."""
+
+  target_pool_groups: int = 4
+  gain: float = 0.5
+  min_budget: int = 0
+  max_budget: int = 4
+  smoothing: float = 0.5
+  generation_weight: float = 0.5
+  waiting_weight: float = 1.0
+  on_reject: str = "regenerate"
+  versions_per_token: float = 0.0  # 0 = estimate from the pool
+  generation_slack: float = 1.0
+
+  def __post_init__(self):
+    if self.target_pool_groups < 0:
+      raise ValueError(f"pace.target_pool_groups must be >= 0, got {self.target_pool_groups}")
+    if self.gain < 0:
+      raise ValueError(f"pace.gain must be >= 0, got {self.gain}")
+    if not 0 <= self.min_budget <= self.max_budget:
+      raise ValueError(
+          f"pace needs 0 <= min_budget <= max_budget, got {self.min_budget}, {self.max_budget}"
+      )
+    if not 0.0 <= self.smoothing < 1.0:
+      raise ValueError(f"pace.smoothing must be in [0, 1), got {self.smoothing}")
+    if self.generation_weight < 0 or self.waiting_weight < 0:
+      raise ValueError("pace.generation_weight and pace.waiting_weight must be >= 0")
+    if self.on_reject not in ON_REJECT:
+      raise ValueError(f"pace.on_reject must be one of {ON_REJECT}, got {self.on_reject!r}")
+    if self.versions_per_token < 0 or self.generation_slack < 0:
+      raise ValueError("pace.versions_per_token and pace.generation_slack must be >= 0")
+
+  @classmethod
+  def from_config(cls, cfg: Any) -> PaceConfig:
+    """Builds from ``config.pace`` (a ConfigDict or mapping).
+
+    Keys absent from ``cfg`` keep their defaults (so older configs still load);
+    keys this class does not know raise, so a typo cannot silently fall back
+    to a default.
+    """
+    d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"unknown pace config keys {unknown}; known: {sorted(names)}")
+    types = {"target_pool_groups": int, "min_budget": int, "max_budget": int, "on_reject": str}
+    return cls(**{k: types.get(k, float)(v) for k, v in d.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupScore:
+  """A group's PACE score and the two terms it is made of."""
+
+  score: float
+  waiting: int  # versions the complete group has waited
+  unexplained_generation: float  # mean over members, versions
+  dominant: str  # "waiting" | "generation": the larger weighted term
+
+
+def reference_versions_per_token(groups: Sequence[Group], config: PaceConfig) -> float:
+  """``k``: the configured rate, or ``sum g / sum L`` over ``groups``."""
+  if config.versions_per_token > 0:
+    return config.versions_per_token
+  gen = 0.0
+  tokens = 0
+  for g in groups:
+    for t in g:
+      gen += staleness_lib.generation_staleness(t)
+      tokens += t.num_completion_tokens
+  return gen / tokens if tokens else 0.0
+
+
+def unexplained_generation_staleness(
+    traj: Trajectory, versions_per_token: float, slack: float
+) -> float:
+  """Generation staleness beyond what the trajectory's length explains."""
+  g = staleness_lib.generation_staleness(traj)
+  return max(0.0, g - versions_per_token * traj.num_completion_tokens - slack)
+
+
+def score_group(
+    group: Group, current_version: int, config: PaceConfig, versions_per_token: float
+) -> GroupScore:
+  """The PACE score of one complete group (higher = rejected first)."""
+  waiting = staleness_lib.group_waiting_staleness(group, current_version)
+  unexplained = sum(
+      unexplained_generation_staleness(t, versions_per_token, config.generation_slack)
+      for t in group
+  ) / len(group)
+  w_term = config.waiting_weight * waiting
+  g_term = config.generation_weight * unexplained
+  dominant = "waiting" if w_term >= g_term else "generation"
+  return GroupScore(float(w_term + g_term), int(waiting), float(unexplained), dominant)
+
+
+class PaceController:
+  """Decides, on each pool change, which complete groups to reject."""
+
+  def __init__(self, config: PaceConfig):
+    self.config = config
+    self._ema = 0.0  # smoothed raw budget of the previous version
+    self._ema_current = 0.0  # largest smoothed value computed in this version
+    self._version: int | None = None
+    self._rejected_this_version = 0
+    self.last_budget = 0
+    self.last_excess = 0
+    self.total_rejected = 0
+    self.calls = 0
+    self.reasons: collections.Counter[str] = collections.Counter()
+
+  def _advance(self, current_version: int) -> None:
+    if self._version is None or current_version != self._version:
+      if self._version is not None:
+        self._ema = self._ema_current
+      self._version = current_version
+      self._ema_current = 0.0
+      self._rejected_this_version = 0
+
+  def budget(self, excess: int) -> int:
+    """This version's budget given the current excess (updates smoothing).
+
+    The smoothed value is the largest seen in the version, so the budget only
+    grows while the version lasts (the pool filling up mid-version raises it;
+    rejections draining the pool do not lower what was already granted).
+    """
+    c = self.config
+    raw = c.gain * max(excess, 0)
+    smoothed = c.smoothing * self._ema + (1.0 - c.smoothing) * raw
+    self._ema_current = max(self._ema_current, smoothed)
+    if excess <= 0:
+      return 0
+    b = int(math.floor(self._ema_current + 0.5))  # round half up
+    return min(max(b, c.min_budget), c.max_budget, self._rejected_this_version + excess)
+
+  def select_rejections(
+      self, pool_groups: Any, current_version: int, *, reserve_groups: int = 0
+  ) -> list[tuple[list[Trajectory], float, str]]:
+    """Returns ``[(group, score, reason), ...]``, worst score first.
+
+    Args:
+      pool_groups: a :class:`TrajectoryPool` (its complete groups are used) or
+        a sequence of complete groups in FIFO order.
+      current_version: newest published policy version.
+      reserve_groups: the first (oldest) complete groups that are about to be
+        trained as the next batch; they are neither counted in occupancy nor
+        candidates, so PACE only trims the backlog *beyond* the next batch.
+
+    The caller removes the returned groups from the pool and records them; this
+    method does not mutate the pool. ``reason`` is ``"pace_waiting"`` or
+    ``"pace_generation"``, naming the term that dominated the score.
+    """
+    self.calls += 1
+    self._advance(int(current_version))
+    if hasattr(pool_groups, "complete_groups"):
+      groups = pool_groups.complete_groups()
+    else:
+      groups = [list(g) for g in pool_groups]
+    candidates = groups[max(0, reserve_groups):]
+    excess = len(candidates) - self.config.target_pool_groups
+    self.last_excess = excess
+    budget = self.budget(excess)
+    self.last_budget = budget
+    n = max(0, min(budget - self._rejected_this_version, excess))
+    if n == 0:
+      return []
+    k = reference_versions_per_token(candidates, self.config)
+    scored = [
+        (score_group(g, current_version, self.config, k), i, g) for i, g in enumerate(candidates)
+    ]
+    scored.sort(key=lambda x: (-x[0].score, x[1]))
+    out = []
+    for s, _, g in scored[:n]:
+      reason = f"pace_{s.dominant}"
+      out.append((g, s.score, reason))
+      self.reasons[reason] += 1
+    self._rejected_this_version += n
+    self.total_rejected += n
+    log.info(
+        "PACE v%d: %d complete groups > target %d (excess %d), budget %d, rejecting %d %s",
+        current_version, len(candidates), self.config.target_pool_groups, excess, budget, n,
+        [(g[0].sample_id, round(sc, 2), r) for g, sc, r in out],
+    )
+    return out
+
+  def stats(self) -> dict[str, Any]:
+    """Counters for the metrics log."""
+    return {
+        "pace_budget": self.last_budget,
+        "pace_excess": self.last_excess,
+        "pace_rejected_total": self.total_rejected,
+        "pace_calls": self.calls,
+        **{f"pace_reason/{k}": v for k, v in sorted(self.reasons.items())},
+    }

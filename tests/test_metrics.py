@@ -1,0 +1,78 @@
+"""JSONL metrics, staleness histograms, and the plotting script."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jax_dora.metrics.histogram import histogram_counts, staleness_histogram
+from jax_dora.metrics.jsonl import MetricsWriter, read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_writer_adds_step_and_time_and_converts_numpy(tmp_path):
+  path = tmp_path / "run" / "metrics.jsonl"
+  with MetricsWriter(str(path)) as w:
+    w.write({
+        "step": np.int64(3), "loss": np.float32(0.5), "vec": np.arange(3),
+        "ok": np.bool_(True), "bad": float("nan"), "hist": {"0": np.int32(2)},
+    })
+    # Flushed per line: readable while the writer is still open.
+    (rec,) = read_metrics(path)
+    w.write({"x": 1})
+  assert rec["step"] == 3 and rec["loss"] == 0.5 and rec["vec"] == [0, 1, 2] and rec["ok"] is True
+  assert rec["bad"] is None and rec["hist"] == {"0": 2} and rec["time"] > 0
+  recs = read_metrics(path)
+  assert recs[1]["step"] == 1 and recs[1]["x"] == 1
+  with MetricsWriter(str(path)) as w:  # a resumed run appends
+    w.write({"x": 2}, step=9)
+  assert [r["step"] for r in read_metrics(path)] == [3, 1, 9]
+
+
+def test_read_metrics_skips_a_torn_last_line_only(tmp_path):
+  path = tmp_path / "m.jsonl"
+  path.write_text('{"step": 1}\n{"step": 2}\n{"ste')
+  assert [r["step"] for r in read_metrics(path)] == [1, 2]
+  path.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')
+  with pytest.raises(ValueError, match=":2:"):
+    read_metrics(path)
+
+
+def test_staleness_histogram():
+  h = staleness_histogram([0, 0, 1, 3, 3, 3])
+  assert histogram_counts(h) == {0: 2, 1: 1, 3: 3}
+  assert h["0"] == 2 and h["mean"] == pytest.approx(10 / 6) and h["max"] == 3 and h["n"] == 6
+  json.dumps(h)
+  frac = staleness_histogram([0.4, 2.5])  # token-weighted values round to buckets
+  assert histogram_counts(frac) == {0: 1, 3: 1} and frac["max"] == 2.5
+  empty = staleness_histogram([])
+  assert empty == {"mean": None, "max": None, "n": 0}
+
+
+def test_plot_script_writes_a_png(tmp_path):
+  runs = []
+  for mode, speed in (("dora_pace", 3.0), ("sync", 1.0)):
+    path = tmp_path / mode / "metrics.jsonl"
+    with MetricsWriter(str(path)) as w:
+      for s in range(1, 6):
+        w.write({
+            "step": s, "mode": mode, "wall_time_s": s / speed, "reward_mean": 0.1 * s,
+            "trained_tokens_per_s": 100 * speed, "bubble_ratio": 0.5 / speed,
+            "staleness_effective": staleness_histogram([0, s % 3]), "eval_reward": None,
+        })
+    runs.append(str(path))
+  out = tmp_path / "plots" / "compare.png"
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "plot_metrics.py"),
+       f"pace={runs[0]}", runs[1], "-o", str(out)],
+      capture_output=True, text=True, timeout=120, cwd=tmp_path,
+  )
+  assert proc.returncode == 0, proc.stderr
+  data = out.read_bytes()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
