@@ -1,0 +1,526 @@
+"""JetStream ``Engine`` for the jax-dora Transformer, with multi-version decode.
+
+The engine is the accelerator half of a rollout server (JetStream's split):
+``prefill`` computes one prompt's KV cache and first token, ``insert`` copies it
+into a free decode slot, ``generate`` advances every slot by one token. Two
+things differ from a stock JetStream engine:
+
+* **Multi-version decode.** ``generate`` takes a :class:`MultiVersionParams`
+  (several policy versions at once). Every slot is *pinned* to the version that
+  prefilled it (``DecodeState.version``); one decode pass is run per live
+  version and each slot commits only the pass of its own version. A trajectory
+  therefore never mixes versions within a span by construction, while a single
+  server can keep old trajectories running after a new policy arrives (DORA).
+* **Log-probs.** :class:`DoraResultTokens` carries the behaviour log-prob of
+  every sampled token, which the learner needs for importance ratios.
+
+Every device function is jitted with fixed shapes: the decode state always has
+``num_slots`` rows and a full ``max_seq_len`` cache, the slot index passed to
+``insert`` is a traced scalar, and prefill pads to a small set of length
+buckets, so each function compiles once (per bucket) and never again.
+
+Placement: the engine builds a 1-axis mesh ``("slots",)`` over the server's
+devices. Params are *replicated* (rollout models here are small; replication
+keeps decode free of collectives). The decode state's slot (batch) axis is
+sharded over the mesh when ``num_slots`` divides evenly, otherwise replicated;
+prefixes (batch 1) are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jetstream.engine import engine_api
+from jetstream.engine import tokenizer_pb2
+
+from jax_dora.model import CharTokenizer, KVCache, ModelConfig, Transformer, init_params
+from jax_dora.rollout.sampling import sample_tokens
+from jax_dora.snapshots import SnapshotReader, abstract_target_like
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiVersionParams:
+  """Several policy versions for one ``generate`` call.
+
+  Attributes:
+    params: version -> param pytree (already on the engine's devices).
+    live: versions to run this step (those pinned by at least one active
+      slot). Passing only live versions keeps a step's cost proportional to
+      the number of versions actually in use, usually one.
+  """
+
+  params: Mapping[int, Params]
+  live: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    missing = [v for v in self.live if v not in self.params]
+    if missing:
+      raise ValueError(f"live versions {missing} have no params (have {sorted(self.params)})")
+
+  @property
+  def newest(self) -> int:
+    return max(self.params)
+
+  @classmethod
+  def single(cls, version: int, params: Params) -> "MultiVersionParams":
+    return cls({int(version): params}, (int(version),))
+
+
+@flax.struct.dataclass
+class Prefix:
+  """One prompt's prefill result, ready for :meth:`DoraEngine.insert`.
+
+  ``cache`` is batch-1 but full ``max_seq_len`` long so insertion is a plain
+  row copy. ``token`` (sampled from the last prompt position) is *not* yet in
+  the cache: it is the next decode input, at position ``true_length``.
+  """
+
+  cache: KVCache
+  token: jax.Array  # [] int32
+  logprob: jax.Array  # [] float32
+  true_length: jax.Array  # [] int32, tokens in the cache (prompt + resume prefix)
+  version: jax.Array  # [] int32, policy version that computed it
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """Everything ``generate`` transforms, ``num_slots`` rows.
+
+  ``tokens[i]`` is slot i's pending token (sampled, not yet written to the
+  cache) and ``positions[i]`` the position it will be written at. ``version``
+  is the policy the slot is pinned to (``-1`` = never filled).
+  """
+
+  cache: KVCache
+  tokens: jax.Array  # [B] int32
+  positions: jax.Array  # [B] int32
+  lengths: jax.Array  # [B] int32, tokens generated in this slot so far
+  version: jax.Array  # [B] int32
+  active: jax.Array  # [B] bool
+  rng: jax.Array  # PRNG key
+
+
+@flax.struct.dataclass
+class DoraResultTokens(engine_api.ResultTokens):
+  """``ResultTokens`` plus the log-prob of each returned token, ``[B, 1]``."""
+
+  logprobs: Any = None
+
+  def convert_to_numpy(self) -> "DoraResultTokens":
+    return DoraResultTokens(
+        np.asarray(self.data),
+        self.tokens_idx,
+        self.valid_idx,
+        self.length_idx,
+        self.samples_per_slot,
+        logprobs=None if self.logprobs is None else np.asarray(self.logprobs),
+    )
+
+  def copy_to_host_async(self) -> None:
+    super().copy_to_host_async()
+    if isinstance(self.logprobs, jax.Array):
+      self.logprobs.copy_to_host_async()
+
+  def get_logprobs_at_slot(self, slot: int) -> np.ndarray:
+    start = slot * self.samples_per_slot
+    return self.logprobs[start:start + self.samples_per_slot, 0]
+
+
+def prefill_buckets(max_prefill_length: int, max_seq_len: int) -> tuple[int, ...]:
+  """Padded prefill lengths: ``max_prefill_length`` doubling up to ``max_seq_len``.
+
+  Fresh prompts fit the first bucket; resumed requests (prompt + an
+  interrupted completion) need the longer ones. Few buckets = few compiles.
+  """
+  out = []
+  b = max(1, min(max_prefill_length, max_seq_len))
+  while b < max_seq_len:
+    out.append(b)
+    b *= 2
+  out.append(max_seq_len)
+  return tuple(out)
+
+
+class DoraEngine(engine_api.Engine):
+  """Prefill / insert / multi-version generate for :class:`Transformer`."""
+
+  def __init__(
+      self,
+      model_cfg: ModelConfig,
+      tokenizer: CharTokenizer,
+      num_slots: int,
+      max_prefill_length: int,
+      devices: Sequence[jax.Device] | None = None,
+      temperature: float = 1.0,
+      top_p: float = 1.0,
+      seed: int = 0,
+  ):
+    if num_slots < 1:
+      raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    if not 0.0 < top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if max_prefill_length > model_cfg.max_seq_len:
+      raise ValueError(
+          f"max_prefill_length={max_prefill_length} > max_seq_len={model_cfg.max_seq_len}"
+      )
+    self.model_cfg = model_cfg
+    self.tokenizer = tokenizer
+    self.model = Transformer(model_cfg)
+    self.temperature = float(temperature)
+    self.top_p = float(top_p)
+    self._num_slots = int(num_slots)
+    self._max_prefill_length = int(max_prefill_length)
+    self.buckets = prefill_buckets(self._max_prefill_length, model_cfg.max_seq_len)
+    devices = list(devices) if devices else jax.devices()[:1]
+    self._mesh = Mesh(np.array(devices), ("slots",))
+    self.replicated = NamedSharding(self._mesh, P())
+    slot_axis = "slots" if num_slots % len(devices) == 0 else None
+    self._state_sharding = self._decode_state_sharding(slot_axis)
+    # Prefill draws its first-token randomness from a host-side counter (the
+    # JetStream prefill signature has no rng argument); a lock keeps the
+    # counter consistent if several threads prefill.
+    self._base_key = jax.random.PRNGKey(seed)
+    self._prefill_count = 0
+    self._rng_lock = threading.Lock()
+    self._build_jitted()
+
+  # ---------------------------------------------------------------- placement
+  def _decode_state_sharding(self, slot_axis: str | None) -> DecodeState:
+    row = NamedSharding(self._mesh, P(slot_axis))
+    cache = NamedSharding(self._mesh, P(None, slot_axis))
+    return DecodeState(
+        cache=KVCache(k=cache, v=cache),
+        tokens=row,
+        positions=row,
+        lengths=row,
+        version=row,
+        active=row,
+        rng=self.replicated,
+    )
+
+  def _build_jitted(self) -> None:
+    self._prefill_fn = jax.jit(self._prefill_impl, out_shardings=self.replicated)
+    self._insert_fn = jax.jit(
+        self._insert_impl, donate_argnums=(1,), out_shardings=self._state_sharding
+    )
+    st = self._state_sharding
+    self._decode_fn = jax.jit(
+        self._decode_version_impl,
+        donate_argnums=(2, 3, 4),
+        out_shardings=(st.cache, st.tokens, st.tokens),
+    )
+    result_sharding = (st, self.replicated, self.replicated)
+    self._finish_fn = jax.jit(
+        self._finish_step_impl, donate_argnums=(0,), out_shardings=result_sharding
+    )
+    self._single_fn = jax.jit(
+        self._single_version_step_impl, donate_argnums=(1,), out_shardings=result_sharding
+    )
+    self._init_fn = jax.jit(self._init_impl, out_shardings=st)
+    self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=st)
+
+  # ------------------------------------------------------------------- params
+  def abstract_params(self) -> Params:
+    """Shape/dtype/sharding of the params, for restoring snapshots onto us."""
+    shapes = jax.eval_shape(lambda r: init_params(self.model_cfg, r), jax.random.PRNGKey(0))
+    return abstract_target_like(shapes, self.replicated)
+
+  def load_params(self, reader: SnapshotReader, version: int) -> Params:  # pytype: disable=signature-mismatch
+    """Restores snapshot ``version`` straight onto this engine's devices."""
+    params, _ = reader.load(int(version), target=self.abstract_params())
+    return params
+
+  def place_params(self, params: Params) -> Params:
+    """Copies an in-memory param tree onto the engine's devices (tests, benchmarks)."""
+    return jax.device_put(params, self.replicated)
+
+  # ------------------------------------------------------------------ prefill
+  def _next_prefill_key(self) -> jax.Array:
+    with self._rng_lock:
+      self._prefill_count += 1
+      n = self._prefill_count
+    return jax.random.fold_in(self._base_key, n)
+
+  def _prefill_impl(self, params, cache, tokens, offset, true_length, version, rng):
+    t = tokens.shape[0]
+    positions = (offset + jnp.arange(t, dtype=jnp.int32))[None]
+    logits, cache = self.model.apply(
+        {"params": params}, tokens[None], positions, kv_cache=cache
+    )
+    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)
+    tok, logp = sample_tokens(last, rng, self.temperature, self.top_p)
+    return Prefix(
+        cache=cache,
+        token=tok[0],
+        logprob=logp[0],
+        true_length=offset + true_length,
+        version=version,
+    )
+
+  def prefill(
+      self,
+      *,
+      params: Params | MultiVersionParams,
+      existing_prefix: Prefix | None = None,
+      padded_tokens: jax.Array | np.ndarray,
+      true_length: int,
+      version: int | None = None,
+      rng: jax.Array | None = None,
+  ) -> Prefix:
+    """KV cache of ``padded_tokens[:true_length]`` plus its first sampled token.
+
+    Args:
+      params: A :class:`MultiVersionParams` (its newest version is used, the
+        DORA rule for new work) or a plain param tree (then ``version`` names
+        it; default 0).
+      existing_prefix: Continue from this prefix: the new tokens are appended
+        at positions ``existing_prefix.true_length...``.
+      padded_tokens: ``[T]`` int32, right-padded to a bucket length (see
+        :meth:`pad_tokens`) so compiles are shared.
+      true_length: Number of real tokens in ``padded_tokens``.
+      version: Version id for a plain param tree.
+      rng: Optional PRNG key for the first token; default: engine counter.
+    """
+    if isinstance(params, MultiVersionParams):
+      version = params.newest if version is None else int(version)
+      params = params.params[version]
+    version = 0 if version is None else int(version)
+    tokens = jnp.asarray(padded_tokens, jnp.int32).reshape(-1)
+    if not 0 < true_length <= tokens.shape[0]:
+      raise ValueError(f"true_length={true_length} not in (0, {tokens.shape[0]}]")
+    if existing_prefix is None:
+      cache = KVCache.zeros(self.model_cfg, 1)
+      offset = 0
+    else:
+      cache = existing_prefix.cache
+      offset = int(existing_prefix.true_length)
+    if offset + true_length > self.model_cfg.max_seq_len:
+      raise ValueError(
+          f"prefix of {offset + true_length} tokens exceeds max_seq_len={self.model_cfg.max_seq_len}"
+      )
+    rng = self._next_prefill_key() if rng is None else rng
+    return self._prefill_fn(
+        params, cache, tokens, jnp.int32(offset), jnp.int32(true_length), jnp.int32(version), rng
+    )
+
+  def pad_tokens(self, tokens: np.ndarray) -> tuple[np.ndarray, int]:
+    """Right-pads ``tokens`` with PAD to the smallest bucket that fits."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    n = int(tokens.shape[0])
+    for b in self.buckets:
+      if n <= b:
+        return np.pad(tokens, (0, b - n), constant_values=self.tokenizer.pad_id), n
+    raise ValueError(f"{n} tokens exceed max_seq_len={self.model_cfg.max_seq_len}")
+
+  # ------------------------------------------------------------------- insert
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
+    def put_row(dst, src):
+      start = (0, slot) + (0,) * (dst.ndim - 2)
+      return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), start)
+
+    cache = KVCache(k=put_row(state.cache.k, prefix.cache.k), v=put_row(state.cache.v, prefix.cache.v))
+    return state.replace(
+        cache=cache,
+        tokens=state.tokens.at[slot].set(prefix.token),
+        positions=state.positions.at[slot].set(prefix.true_length),
+        lengths=state.lengths.at[slot].set(1),
+        version=state.version.at[slot].set(prefix.version),
+        active=state.active.at[slot].set(True),
+    )
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Puts ``prefix`` into ``slot`` (pinning the slot to the prefix's version).
+
+    ``decode_state`` is donated: use only the returned state afterwards.
+    """
+    if not 0 <= slot < self._num_slots:
+      raise ValueError(f"slot {slot} out of range [0, {self._num_slots})")
+    return self._insert_fn(prefix, decode_state, jnp.int32(slot))
+
+  # ----------------------------------------------------------------- generate
+  def _decode_version_impl(self, params, state: DecodeState, acc_cache, acc_tokens, acc_logp, version, rng):
+    """One decode pass of ``version``; commits rows pinned to it into ``acc_*``.
+
+    Every pass reads the *original* ``state.cache``: a row's step only writes
+    its own position, so merging rows by version is exact.
+    """
+    logits, cache = self.model.apply(
+        {"params": params}, state.tokens[:, None], state.positions[:, None], kv_cache=state.cache
+    )
+    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p)
+    mine = state.active & (state.version == version)
+    sel = mine[None, :, None, None, None]
+    acc_cache = KVCache(k=jnp.where(sel, cache.k, acc_cache.k), v=jnp.where(sel, cache.v, acc_cache.v))
+    return acc_cache, jnp.where(mine, tok, acc_tokens), jnp.where(mine, logp, acc_logp)
+
+  def _finish_step_impl(self, state: DecodeState, cache, tokens, logp, next_rng):
+    s = self.model_cfg.max_seq_len
+    active = state.active
+    # Rows at the cache end stop advancing (the model drops out-of-range
+    # writes anyway); the driver ends such sequences with "length".
+    positions = jnp.where(active, jnp.minimum(state.positions + 1, s), state.positions)
+    lengths = jnp.where(active, state.lengths + 1, state.lengths)
+    new_state = state.replace(
+        cache=cache, tokens=tokens, positions=positions, lengths=lengths, rng=next_rng
+    )
+    data = jnp.stack([tokens, active.astype(jnp.int32), lengths], axis=1)
+    return new_state, data, logp[:, None]
+
+  def _single_version_step_impl(self, params, state: DecodeState, version, rng, next_rng):
+    """Fused decode + commit for the common one-live-version case (no copies)."""
+    cache, tokens, logp = self._decode_version_impl(
+        params, state, state.cache, state.tokens, jnp.zeros(state.tokens.shape, jnp.float32),
+        version, rng,
+    )
+    return self._finish_step_impl(state, cache, tokens, logp, next_rng)
+
+  def generate(
+      self, params: MultiVersionParams | Params, decode_state: DecodeState
+  ) -> tuple[DecodeState, DoraResultTokens]:
+    """Advances every active slot by one token under its pinned version.
+
+    Args:
+      params: :class:`MultiVersionParams`; versions in ``live`` are run (if
+        ``live`` is empty, every version in ``params``). A plain param tree is
+        treated as version 0.
+      decode_state: Donated.
+
+    Returns:
+      The new state and a ``[B, 3]`` (token, valid, length) result with
+      per-token log-probs. Rows pinned to a version not run this step keep
+      their state and report ``valid``=active but a stale token; the driver
+      only runs with all pinned versions live.
+    """
+    if not isinstance(params, MultiVersionParams):
+      params = MultiVersionParams.single(0, params)
+    live = params.live or tuple(sorted(params.params))
+    rng, next_rng = jax.random.split(decode_state.rng)
+    if len(live) == 1:
+      v = live[0]
+      new_state, data, logp = self._single_fn(
+          params.params[v], decode_state, jnp.int32(v), jax.random.fold_in(rng, v), next_rng
+      )
+      return new_state, self._result(data, logp)
+    # Accumulators start as copies so the per-version passes can donate them
+    # while ``decode_state`` itself stays readable by every pass.
+    acc_cache = jax.tree.map(jnp.copy, decode_state.cache)
+    acc_tokens = jnp.copy(decode_state.tokens)
+    acc_logp = jnp.zeros(decode_state.tokens.shape, jnp.float32)
+    for v in live:
+      acc_cache, acc_tokens, acc_logp = self._decode_fn(
+          params.params[v], decode_state, acc_cache, acc_tokens, acc_logp,
+          jnp.int32(v), jax.random.fold_in(rng, v),
+      )
+    new_state, data, logp = self._finish_fn(decode_state, acc_cache, acc_tokens, acc_logp, next_rng)
+    return new_state, self._result(data, logp)
+
+  @staticmethod
+  def _result(data: jax.Array, logp: jax.Array) -> DoraResultTokens:
+    return DoraResultTokens(
+        data=data,
+        tokens_idx=(0, 1),
+        valid_idx=(1, 2),
+        length_idx=(2, 3),
+        samples_per_slot=1,
+        logprobs=logp,
+    )
+
+  # ------------------------------------------------------------- decode state
+  def _init_impl(self, rng):
+    b = self._num_slots
+    return DecodeState(
+        cache=KVCache.zeros(self.model_cfg, b),
+        tokens=jnp.zeros((b,), jnp.int32),
+        positions=jnp.zeros((b,), jnp.int32),
+        lengths=jnp.zeros((b,), jnp.int32),
+        version=jnp.full((b,), -1, jnp.int32),
+        active=jnp.zeros((b,), bool),
+        rng=rng,
+    )
+
+  def init_decode_state(self, *args, **kwargs) -> DecodeState:
+    """Empty slots (all inactive, unpinned) on the engine mesh."""
+    del args, kwargs
+    # Prefill keys use fold_in(base, n >= 1), so 0 is free for the decode rng.
+    return self._init_fn(jax.random.fold_in(self._base_key, 0))
+
+  def _free_impl(self, state: DecodeState, slot):
+    return state.replace(
+        active=state.active.at[slot].set(False), version=state.version.at[slot].set(-1)
+    )
+
+  def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Marks ``slot`` empty so it stops computing and is pinned to nothing.
+
+    Optional (a finished slot may simply be overwritten by the next
+    ``insert``); ``decode_state`` is donated.
+    """
+    return self._free_fn(decode_state, jnp.int32(slot))
+
+  # ------------------------------------------------------- engine_api members
+  def get_prefix_destination_sharding(self) -> Any:
+    return jax.tree.map(lambda _: self.replicated, Prefix(
+        cache=KVCache(k=0, v=0), token=0, logprob=0, true_length=0, version=0))
+
+  def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+    # Our tokenizer is a fixed in-repo character map, not a SentencePiece
+    # file; the proto is only a placeholder for API compatibility.
+    return tokenizer_pb2.TokenizerParameters(path="jax_dora:CharTokenizer")
+
+  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> CharTokenizer:
+    del metadata
+    return self.tokenizer
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self._num_slots
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self._max_prefill_length
+
+  @property
+  def max_seq_len(self) -> int:
+    return self.model_cfg.max_seq_len
+
+  @property
+  def mesh(self) -> Mesh:
+    return self._mesh
+
+  @property
+  def colocated_cpus(self) -> None:
+    return None
+
+
+def build_engine(config, devices: Sequence[jax.Device], seed: int | None = None) -> DoraEngine:
+  """Engine from the run config's ``model`` and ``rollout`` blocks."""
+  tokenizer = CharTokenizer()
+  model_cfg = ModelConfig.from_config_dict(config.model, vocab_size=tokenizer.vocab_size)
+  r = config.rollout
+  return DoraEngine(
+      model_cfg,
+      tokenizer,
+      num_slots=r.slots,
+      max_prefill_length=r.max_prefill_length,
+      devices=devices,
+      temperature=r.temperature,
+      top_p=r.top_p,
+      seed=config.seed if seed is None else seed,
+  )
