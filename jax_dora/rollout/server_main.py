@@ -1,0 +1,194 @@
+"""Standalone rollout server: ``python -m jax_dora.rollout.server_main``.
+
+Runs one :class:`RolloutDriver` on this host's local devices behind the gRPC
+service of :mod:`jax_dora.rollout.server`, loading policy snapshots from
+``config.snapshots.directory`` (the learner publishes there). On a TPU pod
+every worker of the rollout slice runs one of these (see
+``launchers/launch_rollout.sh``) and the learner connects to all of them via
+``config.rollout.server_addresses``.
+
+Example::
+
+  python -m jax_dora.rollout.server_main --config=configs/tiny.py \\
+      --config.rollout.port=9123 --config.snapshots.directory=/tmp/snaps
+
+The newest snapshot present at start-up is loaded before the port opens to
+``Health`` with a non-empty version list, so a launcher can wait for
+readiness; later versions arrive through ``LoadVersion`` calls from the
+orchestrator. SIGTERM/SIGINT stop the server gracefully (in-flight streams
+get ``--grace_s`` seconds, then fail with UNAVAILABLE on the client, which
+re-issues them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Run config file, e.g. configs/tiny.py.", lock_config=True
+)
+_HOST = flags.DEFINE_string(
+    "host",
+    "0.0.0.0",
+    "Interface to bind; 0.0.0.0 so learner hosts can reach the server, "
+    "127.0.0.1 for tests.",
+)
+_GRACE_S = flags.DEFINE_float(
+    "grace_s", 5.0, "Seconds in-flight streams get to finish on SIGTERM."
+)
+_NAME = flags.DEFINE_string(
+    "name", "", "Server name in logs/Health (default rollout-<host>-<port>)."
+)
+
+_log = logging.getLogger("jax_dora.rollout.server_main")
+
+
+def _snapshot_dir(config) -> str:
+  return config.snapshots.directory or os.path.join(
+      config.output_dir, "snapshots"
+  )
+
+
+def _init_distributed(config) -> None:
+  """Joins the multi-host JAX runtime when the config asks for it.
+
+  On a multi-host TPU slice the runtime only comes up once every worker has
+  called ``jax.distributed.initialize``; each worker then serves on its
+  *local* devices only (no cross-host collectives in decoding), which is why
+  every worker runs its own server.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  d = config.distributed
+  if not d.enabled:
+    return
+  kwargs = {}
+  if d.coordinator_address:
+    kwargs["coordinator_address"] = d.coordinator_address
+  if d.num_processes > 0:
+    kwargs["num_processes"] = d.num_processes
+  if d.process_id >= 0:
+    kwargs["process_id"] = d.process_id
+  # With no explicit arguments JAX auto-detects the cluster (TPU metadata,
+  # SLURM, ...), which is the normal path on Cloud TPU.
+  jax.distributed.initialize(**kwargs)
+  _log.info(
+      "jax.distributed initialised: process %d of %d",
+      jax.process_index(),
+      jax.process_count(),
+  )
+
+
+def build_driver(config, snapshot_dir: str, name: str):
+  """Engine + driver on this host's first ``devices_per_server`` local devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jax_dora.rollout import driver as driver_lib  # pylint: disable=g-import-not-at-top
+  from jax_dora.rollout import engine as engine_lib  # pylint: disable=g-import-not-at-top
+
+  devices = jax.local_devices()
+  n = config.rollout.devices_per_server
+  if n > 0:
+    if n > len(devices):
+      raise ValueError(
+          f"config.rollout.devices_per_server={n} but this host has only"
+          f" {len(devices)} local devices"
+      )
+    devices = devices[:n]
+  engine = engine_lib.build_engine(config, devices)
+  return driver_lib.RolloutDriver(
+      engine,
+      snapshot_dir,
+      max_versions=config.rollout.max_versions,
+      name=name,
+  ), devices
+
+
+async def _serve(config, host: str, grace_s: float, name: str) -> None:
+  from jax_dora.rollout import server as server_lib  # pylint: disable=g-import-not-at-top
+  from jax_dora.snapshots import SnapshotReader  # pylint: disable=g-import-not-at-top
+
+  snapshot_dir = _snapshot_dir(config)
+  driver, devices = build_driver(config, snapshot_dir, name)
+  _log.info(
+      "%s: driver on %d device(s) [%s], %d slots, snapshots in %s",
+      name,
+      len(devices),
+      ", ".join(str(d) for d in devices),
+      config.rollout.slots,
+      snapshot_dir,
+  )
+  try:
+    latest = SnapshotReader(snapshot_dir).latest_version()
+  except Exception as e:  # pylint: disable=broad-except
+    _log.warning("%s: cannot list snapshots in %s: %s", name, snapshot_dir, e)
+    latest = None
+  if latest is not None:
+    await asyncio.to_thread(driver.load_version, latest)
+  else:
+    _log.info("%s: no snapshot yet; waiting for LoadVersion", name)
+
+  server = server_lib.RolloutServer(
+      driver, config.rollout.port, host=host, name=name
+  )
+  await server.start()
+  status = driver.status()
+  _log.info(
+      "%s: serving on %s, versions loaded %s",
+      name,
+      server.address,
+      list(status.versions_loaded),
+  )
+
+  loop = asyncio.get_running_loop()
+  stopping = asyncio.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    loop.add_signal_handler(sig, stopping.set)
+  await stopping.wait()
+  _log.info("%s: signal received; stopping (grace %.1fs)", name, grace_s)
+  # Refuse new calls first, then stop the driver, which ends every in-flight
+  # stream with a RolloutError naming its request (clients re-issue it
+  # elsewhere); ``grace_s`` lets those final frames reach the clients.
+  stopped = asyncio.ensure_future(server.stop(grace_s))
+  await asyncio.to_thread(driver.stop)
+  await stopped
+  _log.info("%s: stopped", name)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from jax_dora import config as config_lib  # pylint: disable=g-import-not-at-top
+
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/tiny.py")
+  config_lib.validate(config)
+  logging.basicConfig(
+      level=logging.INFO,
+      stream=sys.stderr,
+      format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+      force=True,
+  )
+  # Orbax logs several INFO lines per restore through absl; keep ours readable.
+  logging.getLogger("absl").setLevel(logging.WARNING)
+  _init_distributed(config)
+  name = _NAME.value or f"rollout-{os.uname().nodename}-{config.rollout.port}"
+  asyncio.run(_serve(config, _HOST.value, _GRACE_S.value, name))
+
+
+def run() -> None:
+  """Console-script entry point (``jax-dora-rollout-server``)."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
