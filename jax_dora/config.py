@@ -68,7 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
           normalize_adv_std=True,
           # Learner devices: the first `num_devices` of jax.devices() (-1 = all not
           # given to rollout). Mesh axes (data, fsdp, tensor); -1 absorbs the rest.
-          num_devices=-1,
+          num_devices=4,
           mesh_data=-1,
           mesh_fsdp=1,
           mesh_tensor=1,
@@ -77,7 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.rollout = ml_collections.ConfigDict(
       dict(
-          num_servers=1,
+          num_servers=2,
           devices_per_server=1,
           slots=16,  # decode slots per server (max_concurrent_decodes)
           max_prefill_length=32,
@@ -117,6 +117,8 @@ def base_config() -> ml_collections.ConfigDict:
           generation_weight=0.5,
           waiting_weight=1.0,
           on_reject="regenerate",
+          versions_per_token=0.0,  # 0 = estimate from the pool
+          generation_slack=1.0,
       )
   )
 

@@ -1,0 +1,72 @@
+"""Checkpoint/resume of a whole run with Orbax.
+
+A run's state is more than the learner: to resume without losing or repeating
+data we also store the prompt stream's position, the policy version counter
+and every prompt that had been *issued but not yet trained* (in flight on a
+server or waiting in the pool). Those prompts are re-issued, with their
+original sample ids, when the run resumes; trajectories from the killed run
+are never reused, so no sample is trained twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jax_dora.types import Prompt
+
+log = logging.getLogger(__name__)
+
+
+def prompt_to_json(p: Prompt) -> dict[str, Any]:
+  return dataclasses.asdict(p)
+
+
+def prompt_from_json(d: dict[str, Any]) -> Prompt:
+  return Prompt(**d)
+
+
+class RunCheckpointer:
+  """Saves ``(learner TrainState, run metadata)`` at step boundaries."""
+
+  def __init__(self, directory: str | epath.Path, max_to_keep: int = 2):
+    self.directory = epath.Path(directory)
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        item_names=("state", "meta"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+    )
+
+  def latest_step(self) -> int | None:
+    self._manager.reload()
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    self._manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+        ),
+        force=True,
+    )
+    self._manager.wait_until_finished()
+    log.info("run checkpoint saved at step %d -> %s", step, self.directory)
+
+  def restore(self, step: int, target_state: Any) -> tuple[Any, dict[str, Any]]:
+    """Restores onto the shardings of ``target_state`` (the fresh learner state)."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
+    out = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        ),
+    )
+    return out.state, dict(out.meta)
+
+  def close(self) -> None:
+    self._manager.close()

@@ -1,0 +1,544 @@
+"""The host-side asyncio orchestrator: one loop per training mode.
+
+Every mode shares the same pieces — a prompt source, a :class:`Dispatcher`
+over rollout servers, the trajectory pool, the learner and the snapshot
+publisher — and differs only in *when* it generates and *which* policy version
+a request may use:
+
+* ``sync``: generate a full batch on the current version, wait for the
+  slowest trajectory, train, publish. The baseline every other mode is
+  measured against.
+* ``one_step_off``: batch k+1 is generated (pinned to the version before
+  update k) while the learner trains on batch k. Staleness is exactly 1.
+* ``partial_rollout``: generate until a batch worth of groups has finished,
+  abort the rest, train, then resume the aborted rollouts from their prefix
+  on the new version (their spans record every version that wrote them).
+* ``async_unfiltered``: generation never stops; servers hold one version, so
+  every publish interrupts in-flight rollouts, which resume on the new
+  version (AReaL-style). Only the hard staleness bound filters data.
+* ``dora``: multi-version streaming rollout. Servers hold several versions; a
+  trajectory finishes on the version it started with; new requests start on
+  the newest; finished trajectories stream into the pool and the learner
+  trains as soon as a batch of complete groups exists.
+* ``dora_pace``: ``dora`` plus PACE rejection of the stalest completed groups
+  when the pool holds more than its target.
+
+The three DORA constraints are enforced here and audited by the
+:class:`IntegrityLedger`: intra-trajectory consistency (requests are never
+interrupted in ``dora``/``dora_pace``/``sync``/``one_step_off``), data integrity
+(every issued sample is trained once, rejected with a logged reason and
+regenerated, or carried to the next run as pending), bounded staleness (the
+pool evicts groups older than ``max_staleness`` and the producer never has
+more samples outstanding than can be consumed within the bound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_dora.learner.batching import make_batch
+from jax_dora.learner.grpo import group_advantages
+from jax_dora.metrics.histogram import staleness_histogram
+from jax_dora.orchestrator import staleness as staleness_lib
+from jax_dora.orchestrator.dispatch import Dispatcher, to_trajectory
+from jax_dora.orchestrator.integrity import IntegrityLedger
+from jax_dora.orchestrator.pace import PaceConfig, PaceController
+from jax_dora.orchestrator.pool import TrajectoryPool
+from jax_dora.types import Prompt, Trajectory
+
+log = logging.getLogger(__name__)
+
+STREAMING_MODES = ("async_unfiltered", "dora", "dora_pace")
+
+
+@dataclasses.dataclass
+class StepTiming:
+  """Wall-clock accounting for one learner step."""
+
+  wait_s: float = 0.0  # learner idle: waiting for a batch (the bubble)
+  train_s: float = 0.0
+  publish_s: float = 0.0
+
+
+class Orchestrator:
+  """Drives one training run in the configured mode."""
+
+  def __init__(
+      self,
+      cfg: Any,
+      *,
+      learner: Any,
+      publisher: Any,
+      dispatcher: Dispatcher,
+      prompt_source: Any,
+      tokenizer: Any,
+      score_fn: Callable[[Prompt, str], float],
+      metrics: Any,
+      ledger: IntegrityLedger,
+      eval_prompts: Sequence[Prompt] = (),
+      checkpoint_fn: Callable[[int, list[Prompt]], None] | None = None,
+      pending_prompts: Sequence[Prompt] = (),
+      progress: Any = None,
+  ):
+    self.cfg = cfg
+    self.mode = cfg.mode
+    self.learner = learner
+    self.publisher = publisher
+    self.dispatcher = dispatcher
+    self.prompt_source = prompt_source
+    self.tokenizer = tokenizer
+    self.score_fn = score_fn
+    self.metrics = metrics
+    self.ledger = ledger
+    self.eval_prompts = list(eval_prompts)
+    self.checkpoint_fn = checkpoint_fn
+    self.progress = progress
+
+    self.group_size = int(cfg.learner.group_size)
+    self.groups_per_step = int(cfg.learner.groups_per_step)
+    self.max_staleness = int(cfg.orchestrator.max_staleness)
+    self.max_new_tokens = int(cfg.rollout.max_new_tokens)
+    self.version = int(learner.step)  # newest published policy version
+    self.pool = TrajectoryPool(self.group_size, self.max_staleness)
+    self.pace = (
+        PaceController(PaceConfig.from_config(cfg.pace)) if self.mode == "dora_pace" else None
+    )
+    # Prompts to (re)generate before drawing new ones: carried over from a
+    # resumed run, or rejected by PACE / evicted as stale.
+    self._regenerate: collections.deque[Prompt] = collections.deque(pending_prompts)
+    # Prompts issued and not yet trained, by sample id (for checkpoints).
+    self._outstanding: dict[int, Prompt] = {}
+    self._pool_changed = asyncio.Event()
+    self._stop = False
+    self._bg_tasks: set[asyncio.Task] = set()
+    self._held_partials: list[tuple[Prompt, Trajectory]] = []
+    self._pause_resumes = False
+    self._resume_gate = asyncio.Event()
+    self._resume_gate.set()
+    self._t0 = time.time()
+    self._trained_tokens = 0
+    self._generated_tokens = 0
+    self._last_status: dict[str, tuple[float, float]] = {}
+    self._start_step = int(learner.step)
+
+  # ------------------------------------------------------------------ prompts
+  def _next_prompt(self) -> Prompt:
+    p = self._regenerate.popleft() if self._regenerate else self.prompt_source.next_prompt()
+    self._outstanding[p.sample_id] = p
+    return p
+
+  def _prompt_tokens(self, p: Prompt) -> np.ndarray:
+    ids, _ = self.tokenizer.encode(p.text, is_bos=True)
+    return np.asarray(ids, np.int32)
+
+  # ----------------------------------------------------------------- rollouts
+  async def _rollout_member(
+      self, prompt: Prompt, member: int, version: int | None, *, interruptible: bool
+  ) -> Trajectory:
+    """Generates one trajectory, resuming it after interruptions if allowed."""
+    tokens = self._prompt_tokens(prompt)
+    submit = time.time()
+    self.ledger.issued(prompt.sample_id, member, self.version)
+    partial: Trajectory | None = None
+    while True:
+      result = await self.dispatcher.run(
+          prompt, tokens, member, self.max_new_tokens, version=version, resume=partial
+      )
+      traj = to_trajectory(prompt, tokens, member, result, submit)
+      if traj.finish_reason != "aborted":
+        break
+      if not interruptible or self._stop:
+        return traj
+      partial = traj
+      if self._pause_resumes:
+        await self._resume_gate.wait()
+      if self._stop:
+        return traj
+    traj.finish_version = self.version
+    traj.reward = float(self.score_fn(prompt, self.tokenizer.decode(traj.completion_tokens.tolist())))
+    self._generated_tokens += traj.num_completion_tokens
+    self.ledger.finished(traj)
+    return traj
+
+  async def _rollout_group(
+      self, prompt: Prompt, version: int | None = None, *, interruptible: bool = False
+  ) -> list[Trajectory]:
+    return list(
+        await asyncio.gather(
+            *(
+                self._rollout_member(prompt, m, version, interruptible=interruptible)
+                for m in range(self.group_size)
+            )
+        )
+    )
+
+  async def _generate_batch(self, version: int | None) -> list[list[Trajectory]]:
+    prompts = [self._next_prompt() for _ in range(self.groups_per_step)]
+    return list(await asyncio.gather(*(self._rollout_group(p, version) for p in prompts)))
+
+  # ------------------------------------------------------------------ learner
+  async def _train(self, groups: list[list[Trajectory]], timing: StepTiming) -> dict[str, Any]:
+    """One learner step on complete groups, then publish the new version."""
+    trajs = [t for g in groups for t in g]
+    for t in trajs:
+      t.consumed_version = self.version
+      bs = staleness_lib.behaviour_staleness(t, self.version)
+      if bs > self.max_staleness:
+        raise AssertionError(
+            f"staleness bound violated: {t.key} behaviour staleness {bs} > {self.max_staleness}"
+        )
+    rewards = np.asarray([t.reward for t in trajs], np.float32)
+    adv = group_advantages(
+        rewards,
+        self.group_size,
+        eps=self.cfg.learner.advantage_eps,
+        normalize_std=self.cfg.learner.normalize_adv_std,
+    )
+    batch = make_batch(trajs, adv, self.cfg.model.max_seq_len, self.tokenizer.pad_id)
+    t0 = time.time()
+    train_metrics = await asyncio.to_thread(self.learner.train_step, batch)
+    timing.train_s = time.time() - t0
+    step = self.learner.step
+    self.ledger.trained(trajs, learner_version=self.version, step=step)
+    for g in groups:
+      self._outstanding.pop(g[0].sample_id, None)
+    self._trained_tokens += int(sum(t.num_completion_tokens for t in trajs))
+
+    t0 = time.time()
+    new_version = self.version + 1
+    await asyncio.to_thread(
+        self.publisher.publish, new_version, self.learner.params, {"step": step}
+    )
+    timing.publish_s = time.time() - t0
+    self.version = new_version
+    return self._step_record(step, trajs, train_metrics, timing)
+
+  def _step_record(self, step, trajs, train_metrics, timing: StepTiming) -> dict[str, Any]:
+    v = self.version - 1  # the version the batch was trained at
+    gen = [staleness_lib.generation_staleness(t, t.finish_version) for t in trajs]
+    wait = [staleness_lib.waiting_staleness(t, v) for t in trajs]
+    eff = [staleness_lib.effective_staleness(t, v) for t in trajs]
+    beh = [staleness_lib.behaviour_staleness(t, v) for t in trajs]
+    elapsed = time.time() - self._t0
+    step_total = timing.wait_s + timing.train_s + timing.publish_s
+    rec = {
+        "step": step,
+        "version": self.version,
+        "mode": self.mode,
+        "reward_mean": float(np.mean([t.reward for t in trajs])),
+        "completion_len_mean": float(np.mean([t.num_completion_tokens for t in trajs])),
+        "completion_len_max": int(max(t.num_completion_tokens for t in trajs)),
+        "trained_tokens": int(sum(t.num_completion_tokens for t in trajs)),
+        "trained_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
+        "generated_tokens_per_s": self._generated_tokens / max(elapsed, 1e-9),
+        "learner_wait_s": timing.wait_s,
+        "learner_train_s": timing.train_s,
+        "publish_s": timing.publish_s,
+        "bubble_ratio": timing.wait_s / max(step_total, 1e-9),
+        "pool_groups": self.pool.occupancy(),
+        "staleness_generation": staleness_histogram(gen),
+        "staleness_waiting": staleness_histogram(wait),
+        "staleness_effective": staleness_histogram(eff),
+        "staleness_behaviour": staleness_histogram(beh),
+        "multi_version_trajectories": int(sum(len(t.behaviour_versions) > 1 for t in trajs)),
+        "wall_time_s": elapsed,
+    }
+    rec.update({f"train/{k}": v for k, v in train_metrics.items()})
+    return rec
+
+  # --------------------------------------------------------------- telemetry
+  async def _rollout_idle_ratio(self) -> float | None:
+    """1 - busy share of the rollout servers since the previous call."""
+    ratios = []
+    for c in self.dispatcher.live_clients:
+      try:
+        st = await c.status()
+      except Exception:  # pylint: disable=broad-exception-caught
+        continue
+      now = time.time()
+      prev = self._last_status.get(c.name)
+      self._last_status[c.name] = (now, st.busy_time_s)
+      if prev is not None and now > prev[0]:
+        ratios.append(1.0 - min(1.0, (st.busy_time_s - prev[1]) / (now - prev[0])))
+    return float(np.mean(ratios)) if ratios else None
+
+  async def evaluate(self) -> float | None:
+    """Mean reward on held-out prompts at the newest version (one sample each)."""
+    if not self.eval_prompts:
+      return None
+
+    async def one(p: Prompt) -> float:
+      res = await self.dispatcher.run(
+          p, self._prompt_tokens(p), 0, self.max_new_tokens, tag="eval"
+      )
+      return float(self.score_fn(p, self.tokenizer.decode(np.asarray(res.completion_tokens).tolist())))
+
+    return float(np.mean(await asyncio.gather(*(one(p) for p in self.eval_prompts))))
+
+  async def _after_step(self, rec: dict[str, Any]) -> None:
+    rec["rollout_idle_ratio"] = await self._rollout_idle_ratio()
+    step = rec["step"]
+    every = int(self.cfg.eval.every_steps)
+    if every > 0 and (step % every == 0 or step == self.cfg.total_steps):
+      rec["eval_reward"] = await self.evaluate()
+    self.metrics.write(rec)
+    if self.progress is not None:
+      self.progress.update(1)
+      self.progress.set_postfix(
+          reward=f"{rec['reward_mean']:.3f}", bubble=f"{rec['bubble_ratio']:.2f}",
+          tok_s=f"{rec['trained_tokens_per_s']:.0f}",
+      )
+    ck = int(self.cfg.checkpoint.every_steps)
+    if self.checkpoint_fn is not None and ck > 0 and step % ck == 0:
+      await asyncio.to_thread(self.checkpoint_fn, step, self.pending_prompts())
+
+  def pending_prompts(self) -> list[Prompt]:
+    """Prompts issued but not trained: re-issued by a resumed run."""
+    seen = {p.sample_id: p for p in self._regenerate}
+    seen.update(self._outstanding)
+    return [seen[k] for k in sorted(seen)]
+
+  # ------------------------------------------------------------------- modes
+  async def run(self) -> dict[str, Any]:
+    """Runs until ``cfg.total_steps`` learner steps; returns a summary."""
+    self._t0 = time.time()
+    await self.dispatcher.broadcast_version(self.version)
+    initial_eval = await self.evaluate() if self.cfg.eval.at_start else None
+    await self._rollout_idle_ratio()  # baseline for the first delta
+    self._t0 = time.time()
+    runner = {
+        "sync": self._run_sync,
+        "one_step_off": self._run_one_step_off,
+        "partial_rollout": self._run_partial_rollout,
+        "async_unfiltered": self._run_streaming,
+        "dora": self._run_streaming,
+        "dora_pace": self._run_streaming,
+    }[self.mode]
+    try:
+      await runner()
+    finally:
+      await self._shutdown()
+    final_eval = await self.evaluate()
+    elapsed = time.time() - self._t0
+    for p in self.pending_prompts():
+      self.ledger.pending(p.sample_id)
+    summary = {
+        "mode": self.mode,
+        "steps": self.learner.step,
+        "wall_time_s": elapsed,
+        "trained_tokens": self._trained_tokens,
+        "trained_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
+        "initial_eval_reward": initial_eval,
+        "final_eval_reward": final_eval,
+        "integrity_violations": self.ledger.check(),
+    }
+    if self.checkpoint_fn is not None:
+      await asyncio.to_thread(self.checkpoint_fn, self.learner.step, self.pending_prompts())
+    return summary
+
+  def _steps_left(self) -> bool:
+    budget = float(self.cfg.max_wall_time_s)
+    if budget > 0 and time.time() - self._t0 >= budget:
+      return False
+    return self.learner.step < self.cfg.total_steps
+
+  async def _run_sync(self) -> None:
+    while self._steps_left():
+      timing = StepTiming()
+      t0 = time.time()
+      groups = await self._generate_batch(self.version)
+      timing.wait_s = time.time() - t0
+      rec = await self._train(groups, timing)
+      await self.dispatcher.broadcast_version(self.version)
+      await self._after_step(rec)
+
+  async def _run_one_step_off(self) -> None:
+    next_batch = asyncio.create_task(self._generate_batch(None))
+    while self._steps_left():
+      timing = StepTiming()
+      t0 = time.time()
+      groups = await next_batch
+      timing.wait_s = time.time() - t0
+      if self.learner.step + 1 < self.cfg.total_steps:
+        # Submitted while we train, so it starts on the pre-update version
+        # (requests admitted after the publish use the new one): staleness <= 1.
+        # Not pinned explicitly: a server frees a version no slot uses.
+        next_batch = asyncio.create_task(self._generate_batch(None))
+      rec = await self._train(groups, timing)
+      self._spawn(self.dispatcher.broadcast_version(self.version))
+      await self._after_step(rec)
+
+  def _spawn(self, coro) -> asyncio.Task:
+    task = asyncio.create_task(coro)
+    self._bg_tasks.add(task)
+    task.add_done_callback(self._bg_tasks.discard)
+    return task
+
+  # Streaming modes -----------------------------------------------------------
+  def _capacity_samples(self) -> int:
+    """Outstanding samples allowed: enough to keep slots busy, never more than
+    can be consumed before exceeding the staleness bound (AReaL's rule)."""
+    batch = self.groups_per_step * self.group_size
+    return (self.max_staleness + 1) * batch
+
+  def _add_to_pool(self, t: Trajectory) -> None:
+    self.pool.add(t, self.version)
+    self._pool_changed.set()
+
+  def _reject(self, groups: list[list[Trajectory]], reason: str | Sequence[str]) -> None:
+    """Records rejected/evicted groups; their prompts are regenerated or dropped.
+
+    Stale evictions are always regenerated (the sample was never trained);
+    PACE rejections follow ``pace.on_reject``.
+    """
+    reasons = [reason] * len(groups) if isinstance(reason, str) else list(reason)
+    for g, why in zip(groups, reasons):
+      regenerate = why == "stale" or self.cfg.pace.on_reject == "regenerate"
+      self.ledger.rejected(g, why, regenerate=regenerate, version=self.version)
+      self._outstanding.pop(g[0].sample_id, None)
+      if regenerate:
+        self._regenerate.append(g[0].prompt)
+      else:
+        log.info("dropping group %d (%s)", g[0].sample_id, why)
+    if groups:
+      self._kick_producer()
+
+  def _kick_producer(self) -> None:
+    cond = getattr(self, "_produce_cond_live", None)
+    if cond is not None:
+      async def notify():
+        async with cond:
+          cond.notify_all()
+      self._spawn(notify())
+
+  async def _wait_batch(self) -> list[list[Trajectory]]:
+    while True:
+      evicted = self.pool.evict_stale(self.version)
+      self._reject(evicted, "stale")
+      if self.pace is not None:
+        # The oldest groups_per_step complete groups are the next batch: PACE
+        # only trims the backlog beyond it.
+        rejected = self.pace.select_rejections(
+            self.pool, self.version, reserve_groups=self.groups_per_step
+        )
+        if rejected:
+          self.pool.remove([g for g, _, _ in rejected], reason="pace", version=self.version)
+          for g, score, why in rejected:
+            log.debug("PACE rejects group %d score %.2f (%s)", g[0].sample_id, score, why)
+          self._reject([g for g, _, _ in rejected], [why for _, _, why in rejected])
+          self._pace_rejected += len(rejected)
+      if self.pool.num_complete_groups() >= self.groups_per_step:
+        return self.pool.pop_groups(self.groups_per_step)
+      self._pool_changed.clear()
+      await self._pool_changed.wait()
+
+  async def _run_streaming(self) -> None:
+    interruptible = self.mode == "async_unfiltered"
+    self._pace_rejected = 0
+    producer = self._spawn(self._produce_with_handle(interruptible))
+    try:
+      while self._steps_left():
+        timing = StepTiming()
+        t0 = time.time()
+        groups = await self._wait_batch()
+        timing.wait_s = time.time() - t0
+        rec = await self._train(groups, timing)
+        rec["pace_rejected_total"] = self._pace_rejected
+        rec["stale_evicted_total"] = self.ledger.count("stale")
+        if self.pace is not None:
+          rec["pace"] = self.pace.stats()
+        if interruptible:
+          # One version per server: load it, then interrupt in-flight rollouts
+          # so they resume on it (their prefix keeps its old-version span).
+          self._spawn(self._load_then_interrupt(self.version))
+        else:
+          self._spawn(self.dispatcher.broadcast_version(self.version))
+        self._kick_producer()
+        await self._after_step(rec)
+    finally:
+      self._stop = True
+      self._kick_producer()
+      producer.cancel()
+
+  async def _produce_with_handle(self, interruptible: bool) -> None:
+    # Expose the producer's condition so rejections / steps can wake it.
+    outstanding = {"n": 0}
+    cond = asyncio.Condition()
+    self._produce_cond_live = cond
+
+    async def group_task(p: Prompt):
+      try:
+        members = [
+            asyncio.create_task(self._rollout_member(p, m, None, interruptible=interruptible))
+            for m in range(self.group_size)
+        ]
+        for fut in asyncio.as_completed(members):
+          t = await fut
+          if t.finish_reason == "aborted":
+            continue
+          self._add_to_pool(t)
+      finally:
+        async with cond:
+          outstanding["n"] -= self.group_size
+          cond.notify_all()
+
+    while not self._stop:
+      async with cond:
+        await cond.wait_for(
+            lambda: self._stop
+            or outstanding["n"] + self.pool.num_trajectories() + self.group_size
+            <= self._capacity_samples()
+        )
+      if self._stop:
+        break
+      p = self._next_prompt()
+      outstanding["n"] += self.group_size
+      self._spawn(group_task(p))
+      await asyncio.sleep(0)
+
+  async def _load_then_interrupt(self, version: int) -> None:
+    await self.dispatcher.broadcast_version(version)
+    await self.dispatcher.abort_all()
+
+  async def _run_partial_rollout(self) -> None:
+    """Generate until a batch is complete, abort the tail, train, resume."""
+    self._pause_resumes = True
+    self._pace_rejected = 0
+    producer = self._spawn(self._produce_with_handle(interruptible=True))
+    try:
+      while self._steps_left():
+        timing = StepTiming()
+        t0 = time.time()
+        self._resume_gate.set()
+        groups = await self._wait_batch()
+        timing.wait_s = time.time() - t0
+        # Stop the tail: aborted rollouts wait at the gate until the new
+        # version is loaded, then resume from their prefix.
+        self._resume_gate.clear()
+        await self.dispatcher.abort_all()
+        rec = await self._train(groups, timing)
+        await self.dispatcher.broadcast_version(self.version)
+        self._kick_producer()
+        await self._after_step(rec)
+    finally:
+      self._stop = True
+      self._resume_gate.set()
+      self._kick_producer()
+      producer.cancel()
+
+  async def _shutdown(self) -> None:
+    self._stop = True
+    self._resume_gate.set()
+    await self.dispatcher.abort_all()
+    if self._bg_tasks:
+      await asyncio.wait(list(self._bg_tasks), timeout=30)
+    for t in list(self._bg_tasks):
+      t.cancel()

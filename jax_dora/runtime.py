@@ -1,0 +1,228 @@
+"""Builds a run from a config: devices, learner, snapshots, rollout servers.
+
+This is the one place that knows how the pieces fit together, so that the
+CLI (``jax_dora.train``), the benchmarks and the Colab notebook all start the
+same system. Embedded rollout servers (in-process, on devices disjoint from
+the learner's) are the default; ``rollout.server_addresses`` switches to
+remote gRPC servers without changing anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import jax
+import ml_collections
+from etils import epath
+
+from jax_dora.config import ConfigError, validate
+from jax_dora.data import PromptStream, make_eval_prompts
+from jax_dora.learner.mesh import make_mesh, split_devices
+from jax_dora.learner.train_state import Learner
+from jax_dora.metrics.jsonl import MetricsWriter
+from jax_dora.model import CharTokenizer, ModelConfig
+from jax_dora.orchestrator.dispatch import Dispatcher
+from jax_dora.orchestrator.integrity import IntegrityLedger
+from jax_dora.orchestrator.run_checkpoint import (
+    RunCheckpointer,
+    prompt_from_json,
+    prompt_to_json,
+)
+from jax_dora.orchestrator.runner import Orchestrator
+from jax_dora.snapshots import SnapshotPublisher
+from jax_dora.tasks import get_task
+from jax_dora.types import Prompt
+
+log = logging.getLogger("jax_dora")
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+  """Readable one-line logs; quiets the chatty libraries we depend on."""
+  root = logging.getLogger()
+  try:  # absl.app installs its own root handler; keep one readable format.
+    from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+
+    root.removeHandler(absl_logging.get_absl_handler())
+  except ImportError:
+    pass
+  if not any(getattr(h, "_jax_dora", False) for h in root.handlers):
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", "%H:%M:%S"))
+    h._jax_dora = True  # pylint: disable=protected-access
+    root.addHandler(h)
+  root.setLevel(logging.WARNING)
+  logging.getLogger("jax_dora").setLevel(level)
+  for noisy in ("absl", "orbax", "jax", "grain"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def maybe_initialize_distributed(cfg: ml_collections.ConfigDict) -> None:
+  """Joins the multi-host JAX runtime when asked (TPU pods, multi-process CPU)."""
+  d = cfg.distributed
+  if not d.enabled:
+    return
+  kwargs: dict[str, Any] = {}
+  if d.coordinator_address:
+    kwargs["coordinator_address"] = d.coordinator_address
+  if d.num_processes > 0:
+    kwargs["num_processes"] = d.num_processes
+  if d.process_id >= 0:
+    kwargs["process_id"] = d.process_id
+  jax.distributed.initialize(**kwargs)
+  log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+
+
+def score(prompt: Prompt, completion_text: str) -> float:
+  return get_task(prompt.task).score(prompt, completion_text)
+
+
+@dataclasses.dataclass
+class RunPaths:
+  output_dir: epath.Path
+  snapshots: epath.Path
+  checkpoints: epath.Path
+  metrics: epath.Path
+  trained_log: epath.Path
+  summary: epath.Path
+
+  @classmethod
+  def from_config(cls, cfg: ml_collections.ConfigDict) -> RunPaths:
+    out = epath.Path(cfg.output_dir)
+    snaps = epath.Path(cfg.snapshots.directory) if cfg.snapshots.directory else out / "snapshots"
+    return cls(out, snaps, out / "checkpoints", out / "metrics.jsonl",
+               out / "trained_samples.jsonl", out / "summary.json")
+
+
+def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Device]):
+  if cfg.rollout.server_addresses:
+    from jax_dora.rollout.client import connect_all  # pylint: disable=g-import-not-at-top
+
+    return connect_all(cfg.rollout.server_addresses, timeout_s=cfg.rollout.request_timeout_s)
+  from jax_dora.rollout.embedded import build_embedded_servers  # pylint: disable=g-import-not-at-top
+
+  return build_embedded_servers(cfg, str(snapshot_dir), devices)
+
+
+def run_training(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Runs a full training job described by ``cfg``; returns the summary."""
+  validate(cfg)
+  setup_logging()
+  maybe_initialize_distributed(cfg)
+  paths = RunPaths.from_config(cfg)
+  paths.output_dir.mkdir(parents=True, exist_ok=True)
+
+  tokenizer = CharTokenizer()
+  model_cfg = ModelConfig.from_config_dict(cfg.model, vocab_size=tokenizer.vocab_size)
+  remote = bool(cfg.rollout.server_addresses)
+  n_rollout = 0 if remote else cfg.rollout.num_servers * cfg.rollout.devices_per_server
+  learner_devs, rollout_devs = split_devices(cfg.learner.num_devices, n_rollout)
+  if not remote and set(learner_devs) & set(rollout_devs):
+    log.warning("only one device: learner and rollout share it")
+  mesh = make_mesh(learner_devs, cfg.learner.mesh_data, cfg.learner.mesh_fsdp, cfg.learner.mesh_tensor)
+  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  batch_rows = cfg.learner.groups_per_step * cfg.learner.group_size
+  if batch_rows % batch_shards:
+    raise ConfigError(
+        f"learner batch of {batch_rows} trajectories (groups_per_step x group_size) is not"
+        f" divisible by the {batch_shards} data x fsdp shards of the learner mesh {dict(mesh.shape)}"
+    )
+  log.info("mode=%s learner mesh %s on %d devices; %s rollout", cfg.mode, dict(mesh.shape),
+           len(learner_devs), "remote" if remote else f"{len(rollout_devs)} embedded device(s)")
+
+  learner = Learner(
+      model_cfg, cfg.learner, mesh,
+      temperature=cfg.rollout.temperature, total_steps=cfg.total_steps, seed=cfg.seed,
+  )
+  stream = PromptStream(cfg)
+  eval_prompts = make_eval_prompts(cfg, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
+
+  checkpointer = RunCheckpointer(paths.checkpoints, cfg.checkpoint.max_to_keep)
+  pending: list[Prompt] = []
+  resumed_step = checkpointer.latest_step() if cfg.checkpoint.resume else None
+  if resumed_step is not None:
+    state, meta = checkpointer.restore(resumed_step, learner.state)
+    learner.state = state
+    stream.set_state(meta["stream"])
+    pending = [prompt_from_json(p) for p in meta["pending_prompts"]]
+    log.info("resumed from step %d with %d pending prompts", resumed_step, len(pending))
+  ledger = IntegrityLedger(
+      str(paths.trained_log),
+      group_size=cfg.learner.group_size,
+      max_staleness=cfg.orchestrator.max_staleness,
+      allow_multi_version=cfg.mode in ("partial_rollout", "async_unfiltered"),
+      truncate_after_step=resumed_step if resumed_step is not None else 0,
+  )
+
+  publisher = SnapshotPublisher(paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep)
+  version = learner.step
+  publisher.discard_after(version)  # versions a killed run published after its checkpoint
+  if publisher.last_version != version:
+    publisher.publish(version, learner.params, {"step": version})
+
+  def checkpoint(step: int, pending_prompts: list[Prompt]) -> None:
+    checkpointer.save(step, learner.state, {
+        "step": step,
+        "stream": stream.get_state(),
+        "pending_prompts": [prompt_to_json(p) for p in pending_prompts],
+    })
+
+  clients = build_rollout_clients(cfg, paths.snapshots, rollout_devs)
+  dispatcher = Dispatcher(
+      clients,
+      max_failures_per_server=1,
+      on_reissue=lambda sid, m, why: ledger.reissued(sid, m, why),
+  )
+  progress = None
+  if cfg.progress_bar:
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+
+    progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True)
+
+  with MetricsWriter(str(paths.metrics)) as metrics:
+    orch = Orchestrator(
+        cfg,
+        learner=learner,
+        publisher=publisher,
+        dispatcher=dispatcher,
+        prompt_source=stream,
+        tokenizer=tokenizer,
+        score_fn=score,
+        metrics=metrics,
+        ledger=ledger,
+        eval_prompts=eval_prompts,
+        checkpoint_fn=checkpoint,
+        pending_prompts=pending,
+        progress=progress,
+    )
+
+    async def main():
+      try:
+        return await orch.run()
+      finally:
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+    summary = asyncio.run(main())
+  if progress is not None:
+    progress.close()
+  ledger.close()
+  publisher.close()
+  checkpointer.close()
+  summary["output_dir"] = str(paths.output_dir)
+  paths.summary.write_text(json.dumps(summary, indent=2, default=str))
+  log.info("done: %s", json.dumps(summary, default=str))
+  if summary["integrity_violations"]:
+    log.error("integrity violations: %s", summary["integrity_violations"])
+  return summary
+
+
+def cpu_friendly_env() -> None:
+  """Forces enough host devices for disjoint learner/rollout meshes on CPU."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags and not os.environ.get("JAX_PLATFORMS", "").startswith(("tpu", "cuda", "gpu")):
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
