@@ -116,6 +116,7 @@ class RolloutDriver:
     self._queue: collections.deque[_Queued] = collections.deque()
     self._aborts: set[str] = set()
     self._slots: list[_Active | None] = [None] * self.num_slots
+    self._to_free: set[int] = set()  # finished slots still active on device
     self._stopping = False
     self._dead: str | None = None  # set if the loop crashed
     self._generated = 0
@@ -254,6 +255,7 @@ class RolloutDriver:
         self._handle_aborts(aborts)
         self._maybe_load_pending()
         self._admit()
+        self._free_unfilled()
         if any(s is not None for s in self._slots):
           self._step()
         else:
@@ -359,6 +361,17 @@ class RolloutDriver:
     self._slots[slot] = act
     self._append(slot, first_tok, first_lp)
 
+  def _free_unfilled(self) -> None:
+    """Deactivates finished slots that admission did not refill.
+
+    A refilled slot needs nothing (``insert`` overwrites the row), so this
+    costs one device call only per slot that actually goes idle.
+    """
+    for slot in self._to_free:
+      if self._slots[slot] is None:
+        self._state = self.engine.free_slot(self._state, slot)
+    self._to_free.clear()
+
   # ------------------------------------------------------------------ decode
   def _append(self, slot: int, token: int, logprob: float) -> None:
     """Records one new token; finishes the slot on EOS / budget."""
@@ -402,7 +415,7 @@ class RolloutDriver:
   def _finish(self, slot: int, reason: str) -> None:
     s = self._slots[slot]
     self._slots[slot] = None
-    self._state = self.engine.free_slot(self._state, slot)
+    self._to_free.add(slot)
     self.store.release(s.version)
     self._flush(s)
     resume, resume_lps, spans = _resume_parts(s.request)
