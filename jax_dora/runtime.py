@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -78,6 +79,38 @@ def maybe_initialize_distributed(cfg: ml_collections.ConfigDict) -> None:
   log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
+def learner_processes(cfg: ml_collections.ConfigDict) -> set[int] | None:
+  """The processes of the jax.distributed cluster that run the learner.
+
+  ``None`` when the learner is the whole runtime (single process, or
+  ``distributed.num_learner_processes == -1``: a learner slice with its own
+  cluster). Otherwise processes ``0..n-1``; the rest are rollout servers
+  sharing the cluster, whose devices no learner jit may touch and which never
+  join the learner's Orbax barriers.
+  """
+  n = cfg.distributed.num_learner_processes
+  if not cfg.distributed.enabled or jax.process_count() == 1 or n < 0:
+    return None
+  if n >= jax.process_count():
+    raise ConfigError(
+        f"distributed.num_learner_processes={n} leaves no rollout process in a"
+        f" cluster of {jax.process_count()}; use -1 if every process is a learner"
+    )
+  if jax.process_index() >= n:
+    raise ConfigError(
+        f"process {jax.process_index()} runs the learner but distributed.num_learner_processes={n}"
+        " makes it a rollout process"
+    )
+  return set(range(n))
+
+
+def learner_candidate_devices(procs: set[int] | None) -> list[jax.Device]:
+  """Devices the learner (and embedded rollout) may use: those of ``procs``."""
+  if procs is None:
+    return list(jax.devices())
+  return [d for d in jax.devices() if d.process_index in procs]
+
+
 def score(prompt: Prompt, completion_text: str) -> float:
   return get_task(prompt.task).score(prompt, completion_text)
 
@@ -109,8 +142,14 @@ def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Devic
   return build_embedded_servers(cfg, str(snapshot_dir), devices)
 
 
-def run_training(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Runs a full training job described by ``cfg``; returns the summary."""
+def run_training(
+    cfg: ml_collections.ConfigDict,
+    after_step: Callable[[dict[str, Any], Orchestrator], Any] | None = None,
+) -> dict[str, Any]:
+  """Runs a full training job described by ``cfg``; returns the summary.
+
+  ``after_step(record, orchestrator)`` is called after every learner step.
+  """
   validate(cfg)
   setup_logging()
   maybe_initialize_distributed(cfg)
@@ -121,7 +160,9 @@ def run_training(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
   model_cfg = ModelConfig.from_config_dict(cfg.model, vocab_size=tokenizer.vocab_size)
   remote = bool(cfg.rollout.server_addresses)
   n_rollout = 0 if remote else cfg.rollout.num_servers * cfg.rollout.devices_per_server
-  learner_devs, rollout_devs = split_devices(cfg.learner.num_devices, n_rollout)
+  procs = learner_processes(cfg)
+  learner_devs, rollout_devs = split_devices(
+      cfg.learner.num_devices, n_rollout, learner_candidate_devices(procs))
   if not remote and set(learner_devs) & set(rollout_devs):
     log.warning("only one device: learner and rollout share it")
   mesh = make_mesh(learner_devs, cfg.learner.mesh_data, cfg.learner.mesh_fsdp, cfg.learner.mesh_tensor)
@@ -142,7 +183,7 @@ def run_training(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
   stream = PromptStream(cfg)
   eval_prompts = make_eval_prompts(cfg, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
 
-  checkpointer = RunCheckpointer(paths.checkpoints, cfg.checkpoint.max_to_keep)
+  checkpointer = RunCheckpointer(paths.checkpoints, cfg.checkpoint.max_to_keep, processes=procs)
   pending: list[Prompt] = []
   resumed_step = checkpointer.latest_step() if cfg.checkpoint.resume else None
   if resumed_step is not None:
@@ -159,7 +200,8 @@ def run_training(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
       truncate_after_step=resumed_step if resumed_step is not None else 0,
   )
 
-  publisher = SnapshotPublisher(paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep)
+  publisher = SnapshotPublisher(
+      paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep, processes=procs)
   version = learner.step
   publisher.discard_after(version)  # versions a killed run published after its checkpoint
   if publisher.last_version != version:
@@ -199,6 +241,7 @@ def run_training(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         checkpoint_fn=checkpoint,
         pending_prompts=pending,
         progress=progress,
+        after_step=after_step,
     )
 
     async def main():

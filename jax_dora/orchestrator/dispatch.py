@@ -18,7 +18,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jax_dora.rollout.api import RolloutClient, RolloutError, RolloutRequest, RolloutResult
+from jax_dora.rollout.api import (
+    RolloutClient,
+    RolloutError,
+    RolloutRequest,
+    RolloutResult,
+    VersionUnavailableError,
+)
 from jax_dora.types import Prompt, TokenSpan, Trajectory
 
 log = logging.getLogger(__name__)
@@ -126,13 +132,13 @@ class Dispatcher:
       self._active[rid] = s
       try:
         return await s.client.generate(req)
+      except VersionUnavailableError:
+        raise  # the caller pinned a version the server no longer holds: not a crash
       except RolloutError as e:
         self._mark_failed(s, e)
         if self._on_reissue is not None:
           self._on_reissue(prompt.sample_id, member, str(e))
         log.warning("request %s failed on %s (%s); re-issuing", rid, s.client.name, e)
-        if version is not None and not self.live_clients:
-          raise
       finally:
         s.in_flight -= 1
         self._active.pop(rid, None)

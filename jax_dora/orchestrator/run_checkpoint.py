@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jax_dora.snapshots.store import manager_kwargs, multiprocessing_options
 from jax_dora.types import Prompt
 
 log = logging.getLogger(__name__)
@@ -34,12 +36,26 @@ def prompt_from_json(d: dict[str, Any]) -> Prompt:
 class RunCheckpointer:
   """Saves ``(learner TrainState, run metadata)`` at step boundaries."""
 
-  def __init__(self, directory: str | epath.Path, max_to_keep: int = 2):
+  def __init__(
+      self,
+      directory: str | epath.Path,
+      max_to_keep: int = 2,
+      processes: Collection[int] | None = None,
+  ):
+    """``processes``: under ``jax.distributed``, the learner's processes
+    (``None`` = every process of the cluster), so that Orbax barriers and
+    primary-host writes never involve rollout-server processes."""
     self.directory = epath.Path(directory)
+    manager_kw, options_kw = manager_kwargs(
+        self.directory,
+        multiprocessing_options(processes, "jax_dora_run_checkpoint"),
+        "state",
+        "meta",
+    )
     self._manager = ocp.CheckpointManager(
         self.directory,
-        item_names=("state", "meta"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, **options_kw),
+        **manager_kw,
     )
 
   def latest_step(self) -> int | None:
@@ -47,6 +63,15 @@ class RunCheckpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Saves ``step``; replaces an existing checkpoint of the same step.
+
+    The end-of-run checkpoint can land on the step a periodic one already
+    saved; it supersedes it because the stream has moved on since and the
+    pending prompts changed with it (the two are only valid as a pair).
+    """
+    self._manager.reload()
+    if step in self._manager.all_steps():
+      self._manager.delete(step)
     self._manager.save(
         step,
         args=ocp.args.Composite(

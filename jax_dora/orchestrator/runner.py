@@ -87,6 +87,7 @@ class Orchestrator:
       checkpoint_fn: Callable[[int, list[Prompt]], None] | None = None,
       pending_prompts: Sequence[Prompt] = (),
       progress: Any = None,
+      after_step: Callable[[dict[str, Any], "Orchestrator"], Any] | None = None,
   ):
     self.cfg = cfg
     self.mode = cfg.mode
@@ -101,6 +102,9 @@ class Orchestrator:
     self.eval_prompts = list(eval_prompts)
     self.checkpoint_fn = checkpoint_fn
     self.progress = progress
+    # Called after every learner step with the step's metrics record (may be
+    # async): the extension point for callbacks, fault injection in tests, etc.
+    self.after_step = after_step
 
     self.group_size = int(cfg.learner.group_size)
     self.groups_per_step = int(cfg.learner.groups_per_step)
@@ -118,6 +122,7 @@ class Orchestrator:
     self._outstanding: dict[int, Prompt] = {}
     self._pool_changed = asyncio.Event()
     self._stop = False
+    self._fatal: BaseException | None = None
     self._bg_tasks: set[asyncio.Task] = set()
     self._held_partials: list[tuple[Prompt, Trajectory]] = []
     self._pause_resumes = False
@@ -290,6 +295,10 @@ class Orchestrator:
     if every > 0 and (step % every == 0 or step == self.cfg.total_steps):
       rec["eval_reward"] = await self.evaluate()
     self.metrics.write(rec)
+    if self.after_step is not None:
+      out = self.after_step(rec, self)
+      if asyncio.iscoroutine(out):
+        await out
     if self.progress is not None:
       self.progress.update(1)
       self.progress.set_postfix(
@@ -389,6 +398,37 @@ class Orchestrator:
     batch = self.groups_per_step * self.group_size
     return (self.max_staleness + 1) * batch
 
+  async def _count_rollout_slots(self) -> None:
+    """Decode slots (+ ``queue_depth`` per server) the producer keeps busy."""
+    slots = servers = 0
+    for c in self.dispatcher.live_clients:
+      try:
+        slots += int((await c.status()).total_slots)
+        servers += 1
+      except Exception:  # pylint: disable=broad-exception-caught
+        continue
+    depth = int(self.cfg.orchestrator.queue_depth)
+    self._rollout_capacity = slots + depth * servers if servers else None
+
+  def _may_issue(self, in_flight: int) -> bool:
+    """Admission rule for one more group (``in_flight``: samples of unfinished groups).
+
+    Two caps: AReaL's hard rule (in flight + everything pooled <=
+    ``(max_staleness + 1) * batch``), and a working-set cap: in flight plus
+    *complete* pooled groups <= one batch + the servers' slots and queues.
+    Work beyond the second cap could only wait in a queue or in the pool while
+    versions advance, to be evicted as stale; below it every slot stays busy
+    and the learner finds its next batch ready.
+    """
+    g = self.group_size
+    if in_flight + self.pool.num_trajectories() + g > self._capacity_samples():
+      return False
+    cap = getattr(self, "_rollout_capacity", None)
+    if cap is None:
+      return True
+    batch = self.groups_per_step * g
+    return in_flight + self.pool.num_complete_groups() * g + g <= batch + max(cap, g)
+
   def _add_to_pool(self, t: Trajectory) -> None:
     self.pool.add(t, self.version)
     self._pool_changed.set()
@@ -419,8 +459,19 @@ class Orchestrator:
           cond.notify_all()
       self._spawn(notify())
 
+  def _fail(self, err: BaseException) -> None:
+    """Records the first fatal error of a background task and stops the run."""
+    if self._fatal is None:
+      log.error("stopping the run: %s", err)
+      self._fatal = err
+    self._stop = True
+    self._pool_changed.set()
+    self._kick_producer()
+
   async def _wait_batch(self) -> list[list[Trajectory]]:
     while True:
+      if self._fatal is not None:
+        raise self._fatal
       evicted = self.pool.evict_stale(self.version)
       self._reject(evicted, "stale")
       if self.pace is not None:
@@ -473,8 +524,10 @@ class Orchestrator:
     outstanding = {"n": 0}
     cond = asyncio.Condition()
     self._produce_cond_live = cond
+    await self._count_rollout_slots()
 
     async def group_task(p: Prompt):
+      members: list[asyncio.Task] = []
       try:
         members = [
             asyncio.create_task(self._rollout_member(p, m, None, interruptible=interruptible))
@@ -485,6 +538,14 @@ class Orchestrator:
           if t.finish_reason == "aborted":
             continue
           self._add_to_pool(t)
+      except asyncio.CancelledError:
+        raise
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        # E.g. every rollout server is gone: stop the run loudly instead of
+        # spinning on prompts that can never be generated.
+        for m in members:
+          m.cancel()
+        self._fail(e)
       finally:
         async with cond:
           outstanding["n"] -= self.group_size
@@ -493,9 +554,7 @@ class Orchestrator:
     while not self._stop:
       async with cond:
         await cond.wait_for(
-            lambda: self._stop
-            or outstanding["n"] + self.pool.num_trajectories() + self.group_size
-            <= self._capacity_samples()
+            lambda: self._stop or self._may_issue(outstanding["n"])
         )
       if self._stop:
         break
