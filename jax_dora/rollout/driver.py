@@ -51,6 +51,7 @@ Callback = Callable[[Item], None]
 class _Queued:
   request: api.RolloutRequest
   callback: Callback
+  stream: bool = True
 
 
 @dataclasses.dataclass
@@ -62,6 +63,7 @@ class _Active:
   version: int
   context_len: int  # prompt + resume prefix (tokens in the cache before new ones)
   budget: int  # new tokens this span may still produce (max_new_tokens and cache)
+  stream: bool = True  # send RolloutChunks (False: only the terminal item)
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   sent: int = 0  # tokens already streamed in chunks
@@ -88,6 +90,7 @@ class RolloutDriver:
       *,
       chunk_steps: int = 1,
       stop_on_eos: bool = True,
+      load_fn: Callable[[int], object] | None = None,
   ):
     """Starts the loop thread.
 
@@ -101,11 +104,15 @@ class RolloutDriver:
       stop_on_eos: False makes every request run to its token budget
         (benchmarks use it so lengths follow the workload, not a random
         policy's EOS rate).
+      load_fn: ``version -> params`` on this engine's devices; default reads
+        the snapshot with ``engine.load_params`` (embedded servers in one
+        process pass a shared loader that reads each snapshot once).
     """
     self.engine = engine
     self.name = name
     self.reader = SnapshotReader(snapshot_dir)
     self.store = VersionStore(max_versions)
+    self._load_fn = load_fn or (lambda v: engine.load_params(self.reader, v))
     self.chunk_steps = max(1, int(chunk_steps))
     self.eos_id = int(engine.tokenizer.eos_id) if stop_on_eos else -1
     self.num_slots = engine.max_concurrent_decodes
@@ -154,8 +161,12 @@ class RolloutDriver:
     with self._lock:
       self._wake.notify_all()
 
-  def submit(self, request: api.RolloutRequest, callback: Callback) -> None:
-    """Queues ``request``; ``callback`` receives its chunks then one terminal item."""
+  def submit(self, request: api.RolloutRequest, callback: Callback, *, stream: bool = True) -> None:
+    """Queues ``request``; ``callback`` receives its chunks then one terminal item.
+
+    ``stream=False`` skips the chunks (the terminal result carries every
+    token): callers that only want the result save a callback per token.
+    """
     with self._lock:
       err = None
       if self._stopping or self._dead:
@@ -164,7 +175,7 @@ class RolloutDriver:
             (request.request_id,),
         )
       else:
-        self._queue.append(_Queued(request, callback))
+        self._queue.append(_Queued(request, callback, stream))
         self._wake.notify_all()
     if err is not None:
       self._safe_call(callback, err)
@@ -207,7 +218,7 @@ class RolloutDriver:
   # ================================================================ loading
   def _do_load(self, version: int) -> None:
     try:
-      params = self.engine.load_params(self.reader, version)
+      params = self._load_fn(version)
     except BaseException:
       self.store.abort_load(version)
       raise
@@ -352,12 +363,10 @@ class RolloutDriver:
       return
     t0 = time.perf_counter()
     padded, n = self.engine.pad_tokens(context)
-    prefix = self.engine.prefill(
-        params=self.store.params(version), version=version, padded_tokens=padded, true_length=n)
-    self._state = self.engine.insert(prefix, self._state, slot)
-    first_tok, first_lp = int(prefix.token), float(prefix.logprob)
+    self._state, first_tok, first_lp = self.engine.prefill_insert(
+        self.store.params(version), version, padded, n, self._state, slot)
     self._busy_s += time.perf_counter() - t0
-    act = _Active(req, q.callback, version, context_len=len(context), budget=budget)
+    act = _Active(req, q.callback, version, context_len=len(context), budget=budget, stream=q.stream)
     self._slots[slot] = act
     self._append(slot, first_tok, first_lp)
 
@@ -402,7 +411,7 @@ class RolloutDriver:
           self._flush(s)
 
   def _flush(self, s: _Active) -> None:
-    if s.sent < len(s.tokens):
+    if s.stream and s.sent < len(s.tokens):
       chunk = api.RolloutChunk(
           s.request.request_id,
           np.asarray(s.tokens[s.sent:], np.int32),

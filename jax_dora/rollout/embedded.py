@@ -9,8 +9,12 @@ with ``loop.call_soon_threadsafe`` so the orchestrator sees exactly the same
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
+import functools
 import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
 
 import jax
@@ -18,8 +22,51 @@ import jax
 from jax_dora.rollout import api
 from jax_dora.rollout.driver import RolloutDriver
 from jax_dora.rollout.engine import build_engine
+from jax_dora.snapshots import SnapshotReader
 
 _log = logging.getLogger(__name__)
+
+
+class SharedSnapshotLoader:
+  """Reads each snapshot version once per process for all embedded servers.
+
+  Every server needs the same params on its own devices. Restoring through
+  Orbax costs far more than the bytes (metadata, tensorstore, threads), so the
+  first server to ask restores the version and the others copy it onto their
+  devices. Concurrent requests for one version wait for that single read; a
+  failed read is not cached (the next caller retries and sees the error). Only
+  the newest ``keep`` versions stay cached.
+  """
+
+  def __init__(self, reader: SnapshotReader, keep: int = 2):
+    self._reader = reader
+    self._keep = max(1, int(keep))
+    self._lock = threading.Lock()
+    self._cache: collections.OrderedDict[int, concurrent.futures.Future] = collections.OrderedDict()
+    self.reads = 0  # Orbax restores done (tests, metrics)
+
+  def load(self, engine, version: int):
+    version = int(version)
+    with self._lock:
+      fut = self._cache.get(version)
+      owner = fut is None
+      if owner:
+        fut = self._cache[version] = concurrent.futures.Future()
+        while len(self._cache) > self._keep:
+          self._cache.popitem(last=False)
+    if owner:
+      try:
+        params = engine.load_params(self._reader, version)
+        self.reads += 1
+      except BaseException as e:
+        with self._lock:
+          if self._cache.get(version) is fut:
+            del self._cache[version]
+        fut.set_exception(e)
+        raise
+      fut.set_result(params)
+      return params
+    return engine.place_params(fut.result())
 
 
 class EmbeddedRolloutClient:
@@ -67,13 +114,34 @@ class EmbeddedRolloutClient:
         self.driver.abort([request.request_id])
 
   async def generate(self, request: api.RolloutRequest) -> api.RolloutResult:
-    result = None
-    async for item in self.stream(request):
-      if isinstance(item, api.RolloutResult):
-        result = item
-    if result is None:  # The stream contract guarantees a result; be explicit.
-      raise api.RolloutError(f"{self.name}: stream ended without a result", (request.request_id,))
-    return result
+    """The final result only: no per-token chunks cross the thread boundary.
+
+    Cancelling the caller aborts the request (its slot is freed).
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(item) -> None:  # Event loop thread.
+      if fut.done():
+        return
+      if isinstance(item, api.RolloutError):
+        fut.set_exception(item)
+      else:
+        fut.set_result(item)
+
+    def callback(item) -> None:  # Driver thread; only the terminal item arrives.
+      try:
+        loop.call_soon_threadsafe(settle, item)
+      except RuntimeError:  # Event loop already closed: nobody is listening.
+        pass
+
+    self.driver.submit(request, callback, stream=False)
+    try:
+      return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+      if not fut.done():
+        self.driver.abort([request.request_id])
+      raise
 
   async def abort(self, request_ids: list[str]) -> None:
     self.driver.abort(list(request_ids))
@@ -108,9 +176,13 @@ def build_embedded_servers(
         f"{n} rollout servers x {per} devices need {n * per} devices, got {len(devices)}"
     )
   seeds = itertools.count(int(config.seed) * 1000 + 17)
+  loader = SharedSnapshotLoader(SnapshotReader(snapshot_dir))
   clients = []
   for i, devs in enumerate(slices):
     engine = build_engine(config, devs, seed=next(seeds))
-    driver = RolloutDriver(engine, snapshot_dir, max_versions=r.max_versions, name=f"server{i}")
+    driver = RolloutDriver(
+        engine, snapshot_dir, max_versions=r.max_versions, name=f"server{i}",
+        load_fn=functools.partial(loader.load, engine),
+    )
     clients.append(EmbeddedRolloutClient(driver))
   return clients

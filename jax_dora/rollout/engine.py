@@ -217,17 +217,18 @@ class DoraEngine(engine_api.Engine):
         self._insert_impl, donate_argnums=(1,), out_shardings=self._state_sharding
     )
     st = self._state_sharding
-    self._decode_fn = jax.jit(
-        self._decode_version_impl,
-        donate_argnums=(2, 3, 4),
-        out_shardings=(st.cache, st.tokens, st.tokens),
+    self._prefill_insert_fn = jax.jit(
+        self._prefill_insert_impl, donate_argnums=(1,),
+        out_shardings=(st, self.replicated),
     )
     result_sharding = (st, self.replicated, self.replicated)
-    self._finish_fn = jax.jit(
-        self._finish_step_impl, donate_argnums=(0,), out_shardings=result_sharding
-    )
     self._single_fn = jax.jit(
         self._single_version_step_impl, donate_argnums=(1,), out_shardings=result_sharding
+    )
+    # K live versions in one call (one compile per K <= max_versions): no
+    # accumulator copies and one dispatch per step instead of K + 4.
+    self._multi_fn = jax.jit(
+        self._multi_version_step_impl, donate_argnums=(1,), out_shardings=result_sharding
     )
     self._init_fn = jax.jit(self._init_impl, out_shardings=st)
     self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=st)
@@ -316,6 +317,34 @@ class DoraEngine(engine_api.Engine):
         params, cache, tokens, jnp.int32(offset), jnp.int32(true_length), jnp.int32(version), rng
     )
 
+  def _prefill_insert_impl(self, params, state, tokens, true_length, version, rng, slot):
+    prefix = self._prefill_impl(
+        params, KVCache.zeros(self.model_cfg, 1), tokens, jnp.int32(0), true_length, version, rng
+    )
+    first = jnp.stack([prefix.token.astype(jnp.float32), prefix.logprob])
+    return self._insert_impl(prefix, state, slot), first
+
+  def prefill_insert(
+      self, params: Params, version: int, padded_tokens: np.ndarray, true_length: int,
+      decode_state: DecodeState, slot: int,
+  ) -> tuple[DecodeState, int, float]:
+    """:meth:`prefill` (fresh cache) + :meth:`insert` in one device call.
+
+    Same result as the two calls (same rng stream); returns the new state
+    (``decode_state`` is donated) and the first token and its log-prob.
+    """
+    if not 0 <= slot < self._num_slots:
+      raise ValueError(f"slot {slot} out of range [0, {self._num_slots})")
+    tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
+    if not 0 < true_length <= tokens.shape[0]:
+      raise ValueError(f"true_length={true_length} not in (0, {tokens.shape[0]}]")
+    state, first = self._prefill_insert_fn(
+        params, decode_state, tokens, np.int32(true_length), np.int32(version),
+        self._next_prefill_key(), np.int32(slot),
+    )
+    tok, lp = np.asarray(first)
+    return state, int(tok), float(lp)
+
   def pad_tokens(self, tokens: np.ndarray) -> tuple[np.ndarray, int]:
     """Right-pads ``tokens`` with PAD to the smallest bucket that fits."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
@@ -379,12 +408,24 @@ class DoraEngine(engine_api.Engine):
     data = jnp.stack([tokens, active.astype(jnp.int32), lengths], axis=1)
     return new_state, data, logp[:, None]
 
-  def _single_version_step_impl(self, params, state: DecodeState, version, rng, next_rng):
+  def _single_version_step_impl(self, params, state: DecodeState, version):
     """Fused decode + commit for the common one-live-version case (no copies)."""
+    rng, next_rng = jax.random.split(state.rng)
     cache, tokens, logp = self._decode_version_impl(
         params, state, state.cache, state.tokens, jnp.zeros(state.tokens.shape, jnp.float32),
-        version, rng,
+        version, jax.random.fold_in(rng, version),
     )
+    return self._finish_step_impl(state, cache, tokens, logp, next_rng)
+
+  def _multi_version_step_impl(self, params_list, state: DecodeState, versions):
+    """Every pass reads the original ``state``; rows commit their own version's pass."""
+    rng, next_rng = jax.random.split(state.rng)
+    cache, tokens = state.cache, state.tokens
+    logp = jnp.zeros(state.tokens.shape, jnp.float32)
+    for i, params in enumerate(params_list):
+      cache, tokens, logp = self._decode_version_impl(
+          params, state, cache, tokens, logp, versions[i], jax.random.fold_in(rng, versions[i])
+      )
     return self._finish_step_impl(state, cache, tokens, logp, next_rng)
 
   def generate(
@@ -407,24 +448,13 @@ class DoraEngine(engine_api.Engine):
     if not isinstance(params, MultiVersionParams):
       params = MultiVersionParams.single(0, params)
     live = params.live or tuple(sorted(params.params))
-    rng, next_rng = jax.random.split(decode_state.rng)
     if len(live) == 1:
       v = live[0]
-      new_state, data, logp = self._single_fn(
-          params.params[v], decode_state, jnp.int32(v), jax.random.fold_in(rng, v), next_rng
-      )
+      new_state, data, logp = self._single_fn(params.params[v], decode_state, np.int32(v))
       return new_state, self._result(data, logp)
-    # Accumulators start as copies so the per-version passes can donate them
-    # while ``decode_state`` itself stays readable by every pass.
-    acc_cache = jax.tree.map(jnp.copy, decode_state.cache)
-    acc_tokens = jnp.copy(decode_state.tokens)
-    acc_logp = jnp.zeros(decode_state.tokens.shape, jnp.float32)
-    for v in live:
-      acc_cache, acc_tokens, acc_logp = self._decode_fn(
-          params.params[v], decode_state, acc_cache, acc_tokens, acc_logp,
-          jnp.int32(v), jax.random.fold_in(rng, v),
-      )
-    new_state, data, logp = self._finish_fn(decode_state, acc_cache, acc_tokens, acc_logp, next_rng)
+    new_state, data, logp = self._multi_fn(
+        tuple(params.params[v] for v in live), decode_state, np.asarray(live, np.int32)
+    )
     return new_state, self._result(data, logp)
 
   @staticmethod
