@@ -10,6 +10,7 @@ remote gRPC servers without changing anything else.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -142,6 +143,20 @@ def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Devic
   return build_embedded_servers(cfg, str(snapshot_dir), devices)
 
 
+def run_async(main: Callable[[], Any]) -> Any:
+  """``asyncio.run(main())``, also from inside a running loop (Jupyter/Colab).
+
+  Notebook kernels already run an event loop, where ``asyncio.run`` refuses
+  to start; there the orchestrator gets its own loop on a worker thread.
+  """
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(main())
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax_dora_loop") as ex:
+    return ex.submit(lambda: asyncio.run(main())).result()
+
+
 def run_training(
     cfg: ml_collections.ConfigDict,
     after_step: Callable[[dict[str, Any], Orchestrator], Any] | None = None,
@@ -250,7 +265,7 @@ def run_training(
       finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
 
-    summary = asyncio.run(main())
+    summary = run_async(main)
   if progress is not None:
     progress.close()
   ledger.close()
