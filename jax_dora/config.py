@@ -134,6 +134,11 @@ def base_config() -> ml_collections.ConfigDict:
           coordinator_address="",
           num_processes=-1,
           process_id=-1,
+          # Processes 0..n-1 of the jax.distributed cluster are the learner; the
+          # others are rollout servers (server_main) sharing the cluster, each on
+          # its local devices. -1 = the whole cluster is the learner (a TPU
+          # learner slice with its own cluster; rollout slices run apart).
+          num_learner_processes=-1,
       )
   )
   return c
@@ -171,5 +176,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"data.max_prompt_len={c.data.max_prompt_len} needs rollout.max_prefill_length >="
         f" {c.data.max_prompt_len + 1} (prompt + BOS)"
     )
+  if c.distributed.num_learner_processes == 0 or c.distributed.num_learner_processes < -1:
+    raise ConfigError("config.distributed.num_learner_processes must be -1 (all) or >= 1")
   if c.pace.on_reject not in ("regenerate", "drop"):
     raise ConfigError("config.pace.on_reject must be 'regenerate' or 'drop'")

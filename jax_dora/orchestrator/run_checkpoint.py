@@ -19,7 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jax_dora.snapshots.store import manager_kwargs, multiprocessing_options
+from jax_dora.snapshots.store import manager_kwargs, multiprocessing_options, savable
 from jax_dora.types import Prompt
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class RunCheckpointer:
     self._manager.save(
         step,
         args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            state=ocp.args.StandardSave(savable(state)), meta=ocp.args.JsonSave(meta)
         ),
         force=True,
     )

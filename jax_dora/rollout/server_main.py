@@ -85,6 +85,13 @@ def _init_distributed(config) -> None:
       jax.process_index(),
       jax.process_count(),
   )
+  n = d.num_learner_processes
+  if 0 < n and jax.process_index() < n:
+    raise app.UsageError(
+        f"process {jax.process_index()} is a learner process"
+        f" (config.distributed.num_learner_processes={n}); rollout servers take"
+        " process ids >= that"
+    )
 
 
 def build_driver(config, snapshot_dir: str, name: str):

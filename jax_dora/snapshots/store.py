@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Collection
 from typing import Any
 
 from etils import epath
@@ -91,6 +92,108 @@ def _is_local(directory: epath.Path) -> bool:
   return not str(directory).startswith('gs://')
 
 
+def multiprocessing_options(
+    processes: Collection[int] | None, barrier_prefix: str
+) -> ocp.options.MultiprocessingOptions | None:
+  """Orbax options for a role that runs on only ``processes`` of the cluster.
+
+  Under ``jax.distributed`` Orbax assumes by default that *every* process of
+  the cluster calls the same save/restore (barriers over all processes,
+  process 0 writes metadata and finalizes). A jax-dora cluster may hold
+  several roles (the learner's processes and rollout servers), which never
+  checkpoint together, so each role names its own processes: barriers then
+  span only those and the lowest one is the primary host.
+
+  Returns ``None`` (Orbax defaults) for ``processes=None`` or a
+  single-process runtime, so single-process behaviour is untouched.
+  """
+  if processes is None or jax.process_count() == 1:
+    return None
+  procs = {int(p) for p in processes}
+  if jax.process_index() not in procs:
+    raise ValueError(
+        f'process {jax.process_index()} is not one of the processes {sorted(procs)}'
+        ' this Orbax role was configured for'
+    )
+  return ocp.options.MultiprocessingOptions(
+      primary_host=min(procs),
+      active_processes=procs,
+      barrier_sync_key_prefix=barrier_prefix,
+  )
+
+
+def this_process_only(barrier_prefix: str) -> ocp.options.MultiprocessingOptions | None:
+  """Orbax options for I/O done by this process alone (rollout readers)."""
+  return multiprocessing_options({jax.process_index()}, barrier_prefix)
+
+
+def savable(tree: PyTree) -> PyTree:
+  """``tree`` in a form Orbax will save under ``jax.distributed``.
+
+  Orbax refuses to save a fully addressable (this-process-only) ``jax.Array``
+  when ``jax.process_count() > 1``: it assumes such arrays come from ``pmap``.
+  A learner that is one process of a cluster shared with rollout servers has
+  exactly such arrays, so they are saved as host numpy arrays (Orbax writes
+  those from process 0, which is why the learner's processes come first).
+  Readers restore them onto their own shardings as usual. Arrays spanning
+  several processes (a multi-host learner) and single-process runs are left
+  as they are.
+  """
+  if jax.process_count() == 1:
+    return tree
+
+  def convert(x):
+    if isinstance(x, jax.Array) and x.is_fully_addressable:
+      return np.asarray(x)
+    return x
+
+  return jax.tree.map(convert, tree)
+
+
+def handler_registry(
+    mp: ocp.options.MultiprocessingOptions, standard_item: str, json_item: str
+) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+  """Handlers for a ``StandardSave`` and a ``JsonSave`` item, honouring ``mp``.
+
+  Needed with non-default multiprocessing options: handlers that Orbax
+  creates lazily from the args would use its defaults (all processes,
+  primary host 0) and wait on barriers the other roles never reach.
+  """
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  standard = ocp.StandardCheckpointHandler(multiprocessing_options=mp)
+  js = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
+  registry.add(standard_item, ocp.args.StandardSave, standard)
+  registry.add(standard_item, ocp.args.StandardRestore, standard)
+  registry.add(json_item, ocp.args.JsonSave, js)
+  registry.add(json_item, ocp.args.JsonRestore, js)
+  return registry
+
+
+def manager_kwargs(
+    directory: epath.Path,
+    mp: ocp.options.MultiprocessingOptions | None,
+    standard_item: str,
+    json_item: str,
+    create: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+  """``(CheckpointManager kwargs, CheckpointManagerOptions kwargs)`` for ``mp``.
+
+  With ``mp=None`` this is the plain single-role setup (``item_names``,
+  Orbax creates the directory). Otherwise handlers carry ``mp`` and the
+  directory is created here: Orbax refuses ``create=True`` together with
+  ``active_processes``; ``mkdir(exist_ok=True)`` by every process of the
+  role is race-free.
+  """
+  if mp is None:
+    return dict(item_names=(standard_item, json_item)), dict(create=create)
+  if create:
+    directory.mkdir(parents=True, exist_ok=True)
+  return (
+      dict(handler_registry=handler_registry(mp, standard_item, json_item)),
+      dict(create=False, multiprocessing_options=mp),
+  )
+
+
 class SnapshotPublisher:
   """Publishes versioned parameter snapshots into ``directory``.
 
@@ -114,6 +217,7 @@ class SnapshotPublisher:
       directory: str | epath.Path,
       max_to_keep: int | None = 4,
       async_save: bool = False,
+      processes: Collection[int] | None = None,
   ):
     """Opens (creating if needed) the snapshot directory.
 
@@ -124,11 +228,20 @@ class SnapshotPublisher:
       async_save: If True, ``publish`` returns once arrays are copied off the
         device and the write/finalize happens in a background thread, so the
         learner can keep training. Call ``wait_until_finished`` to block.
+      processes: Under ``jax.distributed``, the processes that publish
+        together (the learner's); ``None`` means every process of the
+        cluster. Readers never take part (see ``multiprocessing_options``).
     """
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
     self._directory = epath.Path(directory)
     self._local = _is_local(self._directory)
+    manager_kw, options_kw = manager_kwargs(
+        self._directory,
+        multiprocessing_options(processes, 'jax_dora_snapshots'),
+        _PARAMS,
+        _METADATA,
+    )
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save,
@@ -137,11 +250,17 @@ class SnapshotPublisher:
         # publisher; they are invisible to readers but waste space.
         cleanup_tmp_directories=True,
         todelete_subdir=_TRASH_SUBDIR if self._local else None,
-        create=True,
+        **options_kw,
     )
     self._manager = ocp.CheckpointManager(
-        self._directory, item_names=(_PARAMS, _METADATA), options=options
+        self._directory, options=options, **manager_kw
     )
+    # Orbax removes a crashed predecessor's tmp dirs in a background thread and
+    # only awaits that at the first save; finish it now so that start-up
+    # leaves the directory clean (and a reused version number cannot race it).
+    await_cleanup = getattr(self._manager, '_maybe_await_cleanup_tmp_directory', None)
+    if await_cleanup is not None:
+      await_cleanup()
     existing = self._manager.all_steps()
     self._last_version: int | None = max(existing) if existing else None
     self._closed = False
@@ -196,7 +315,7 @@ class SnapshotPublisher:
     saved = self._manager.save(
         version,
         args=ocp.args.Composite(**{
-            _PARAMS: ocp.args.StandardSave(params),
+            _PARAMS: ocp.args.StandardSave(savable(params)),
             _METADATA: ocp.args.JsonSave(metadata),
         }),
         force=True,
@@ -410,12 +529,27 @@ class SnapshotReader:
     # A fresh Checkpointer per load keeps the reader thread-safe and avoids a
     # CheckpointManager's cached step list, which would go stale as the
     # publisher advances.
-    checkpointer = ocp.Checkpointer(
-        ocp.CompositeCheckpointHandler(**{
-            _PARAMS: ocp.StandardCheckpointHandler(),
-            _METADATA: ocp.JsonCheckpointHandler(),
-        })
-    )
+    mp = this_process_only('jax_dora_snapshot_reader')
+    if mp is None:
+      checkpointer = ocp.Checkpointer(
+          ocp.CompositeCheckpointHandler(**{
+              _PARAMS: ocp.StandardCheckpointHandler(),
+              _METADATA: ocp.JsonCheckpointHandler(),
+          })
+      )
+    else:
+      # Under jax.distributed a reader restores alone: no barrier with the
+      # learner's processes (or other servers), no primary-host-only reads.
+      checkpointer = ocp.Checkpointer(
+          ocp.CompositeCheckpointHandler(
+              composite_options=ocp.CompositeOptions(multiprocessing_options=mp),
+              **{
+                  _PARAMS: ocp.StandardCheckpointHandler(multiprocessing_options=mp),
+                  _METADATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+              },
+          ),
+          multiprocessing_options=mp,
+      )
     if target is None:
       tree = checkpointer.metadata(path).item_metadata[_PARAMS]
       if tree is None:
