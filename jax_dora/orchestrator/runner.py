@@ -247,6 +247,9 @@ class Orchestrator:
         "learner_wait_s": timing.wait_s,
         "learner_train_s": timing.train_s,
         "publish_s": timing.publish_s,
+        "step_time_s": step_total,
+        # Learner idle share of the step. In sync mode this is exactly the
+        # rollout share of step time (the learner waits for the whole batch).
         "bubble_ratio": timing.wait_s / max(step_total, 1e-9),
         "pool_groups": self.pool.occupancy(),
         "staleness_generation": staleness_histogram(gen),
