@@ -133,11 +133,39 @@ class RunPaths:
                out / "trained_samples.jsonl", out / "summary.json")
 
 
+def wait_for_servers(addresses: str, timeout_s: float) -> None:
+  """Waits (up to ``timeout_s`` in all) until every rollout server accepts connections.
+
+  Remote servers are usually started together with the learner (a launcher,
+  or the processes of one jax.distributed cluster, which cannot start serving
+  before the learner joins it), and a server opens its port only once its
+  start-up snapshot is loaded. Without this wait the first ``LoadVersion``
+  would hit a refused connection and retire a server that is merely slow to
+  start. A server still unreachable at the deadline is left to the
+  dispatcher's failover (logged here).
+  """
+  import time  # pylint: disable=g-import-not-at-top
+
+  import grpc  # pylint: disable=g-import-not-at-top
+
+  deadline = time.monotonic() + timeout_s
+  for a in (x.strip() for x in addresses.split(",")):
+    if not a:
+      continue
+    with grpc.insecure_channel(a) as ch:
+      try:
+        grpc.channel_ready_future(ch).result(timeout=max(0.0, deadline - time.monotonic()))
+      except grpc.FutureTimeoutError:
+        log.warning("rollout server %s not reachable after %.0fs", a, timeout_s)
+
+
 def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Device]):
   if cfg.rollout.server_addresses:
     from jax_dora.rollout.client import connect_all  # pylint: disable=g-import-not-at-top
 
-    return connect_all(cfg.rollout.server_addresses, timeout_s=cfg.rollout.request_timeout_s)
+    clients = connect_all(cfg.rollout.server_addresses, timeout_s=cfg.rollout.request_timeout_s)
+    wait_for_servers(cfg.rollout.server_addresses, cfg.rollout.request_timeout_s)
+    return clients
   from jax_dora.rollout.embedded import build_embedded_servers  # pylint: disable=g-import-not-at-top
 
   return build_embedded_servers(cfg, str(snapshot_dir), devices)

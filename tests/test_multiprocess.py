@@ -1,0 +1,165 @@
+"""Multi-process run on CPU: learner and rollout server in one jax.distributed cluster.
+
+Two local processes join one ``jax.distributed`` cluster (coordinator on
+loopback), the way the roles of a multi-host job do: process 0 is the learner
+(``python -m jax_dora.train`` with remote rollout), process 1 a gRPC rollout
+server (``python -m jax_dora.rollout.server_main``). They exchange Orbax
+snapshots through a shared directory and run a short ``dora`` training to the
+end. What this pins down:
+
+* with ``jax.distributed`` ``jax.devices()`` is global, yet no jit of either
+  role may span the other's devices: the learner builds its mesh from its own
+  process's devices, the server from its local devices;
+* Orbax's multi-process coordination (barriers, primary-host-only writes) is
+  scoped to each role: the learner publishes and checkpoints alone, the server
+  restores alone, so neither waits on a barrier the other never reaches;
+* the processes leave the cluster together: the learner finishes (summary
+  written), then the server is stopped with SIGTERM and both exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from jax_dora.rollout import wire
+
+pytestmark = pytest.mark.timeout(150)
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+_STEPS = 4
+_MODEL = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _tail(path: pathlib.Path, n: int = 4000) -> str:
+  return path.read_text(errors="replace")[-n:] if path.exists() else "<no log>"
+
+
+def _health(address: str) -> dict:
+  call = grpc.insecure_channel(address).unary_unary(
+      wire.method_path(wire.HEALTH),
+      request_serializer=wire.dumps,
+      response_deserializer=wire.loads,
+  )
+  return call({}, timeout=5.0)
+
+
+def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
+  coordinator = f"127.0.0.1:{_free_port()}"
+  rollout_port = _free_port()
+  snapshots = tmp_path / "shared_snapshots"
+  out = tmp_path / "run"
+  dist = [
+      "--config.distributed.enabled=True",
+      f"--config.distributed.coordinator_address={coordinator}",
+      "--config.distributed.num_processes=2",
+      "--config.distributed.num_learner_processes=1",
+  ]
+  # --config must come before any --config.* override.
+  common = [
+      f"--config.snapshots.directory={snapshots}",
+      "--config.rollout.slots=8",
+      "--config.rollout.devices_per_server=1",
+  ] + [f"--config.model.{k}={v}" for k, v in _MODEL.items()] + dist
+  server_args = [
+      sys.executable, "-m", "jax_dora.rollout.server_main", "--config=configs/tiny.py",
+      "--host=127.0.0.1", "--grace_s=1",
+      f"--config.rollout.port={rollout_port}",
+      "--config.distributed.process_id=1",
+  ] + common
+  learner_args = [
+      sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+      "--config.mode=dora",
+      f"--config.total_steps={_STEPS}",
+      f"--config.output_dir={out}",
+      f"--config.rollout.server_addresses=127.0.0.1:{rollout_port}",
+      "--config.learner.num_devices=2",
+      "--config.learner.groups_per_step=2",
+      "--config.learner.group_size=4",
+      "--config.eval.num_prompts=0",
+      "--config.eval.at_start=False",
+      "--config.progress_bar=False",
+      "--config.distributed.process_id=0",
+  ] + common
+  # Fewer forced host devices per process: 4 + 4 = the 8 of a single-process run.
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      TF_CPP_MIN_LOG_LEVEL="3",
+      XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  )
+  server_log, learner_log = tmp_path / "server.log", tmp_path / "learner.log"
+  procs: list[subprocess.Popen] = []
+  logs = [open(server_log, "wb"), open(learner_log, "wb")]
+  try:
+    server = subprocess.Popen(
+        server_args, cwd=_REPO, env=env, stdout=logs[0], stderr=subprocess.STDOUT)
+    procs.append(server)
+    learner = subprocess.Popen(
+        learner_args, cwd=_REPO, env=env, stdout=logs[1], stderr=subprocess.STDOUT)
+    procs.append(learner)
+
+    def logs_text() -> str:
+      return (f"--- learner ---\n{_tail(learner_log)}\n"
+              f"--- server ---\n{_tail(server_log)}")
+
+    # The learner writes summary.json when training is done, then waits in
+    # jax.distributed's shutdown barrier for the server to leave too.
+    summary_path = out / "summary.json"
+    deadline = time.monotonic() + 110
+    while not summary_path.exists():
+      for p in procs:
+        if p.poll() is not None:
+          raise AssertionError(f"{p.args[2]} exited early with {p.returncode}\n{logs_text()}")
+      if time.monotonic() > deadline:
+        raise AssertionError(f"training did not finish in time\n{logs_text()}")
+      time.sleep(0.5)
+    time.sleep(0.5)  # summary.json is written in one call; let it land
+
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == _STEPS, summary
+    assert summary["integrity_violations"] == [], summary
+
+    # The server loaded versions the learner published after start-up.
+    health = _health(f"127.0.0.1:{rollout_port}")
+    assert max(health["versions_loaded"]) > 0, health
+    loaded = [int(v) for v in re.findall(r"loaded version (\d+)", _tail(server_log, 10**6))]
+    assert loaded and max(loaded) > 0, logs_text()
+
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(30) == 0, logs_text()
+    assert learner.wait(30) == 0, logs_text()
+
+    learner_text, server_text = _tail(learner_log, 10**6), _tail(server_log, 10**6)
+    # Each role on its own process's devices: 2 learner devices, and the
+    # server's one device belongs to process 1 (ids of process 0 come first).
+    assert "learner mesh {'data': 2, 'fsdp': 1, 'tensor': 1} on 2 devices; remote" in learner_text
+    m = re.search(r"driver on 1 device\(s\) \[cpu:(\d+)\]", server_text)
+    assert m and int(m.group(1)) >= 4, server_text[-3000:]
+    assert "jax.distributed initialised: process 1 of 2" in server_text
+    assert "stopped" in server_text
+    # Snapshots went through the shared directory (Orbax step dirs).
+    assert any(p.name.isdigit() for p in snapshots.iterdir())
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait(10)
+    for f in logs:
+      f.close()
