@@ -52,12 +52,13 @@ def _tail(path: pathlib.Path, n: int = 4000) -> str:
 
 
 def _health(address: str) -> dict:
-  call = grpc.insecure_channel(address).unary_unary(
-      wire.method_path(wire.HEALTH),
-      request_serializer=wire.dumps,
-      response_deserializer=wire.loads,
-  )
-  return call({}, timeout=5.0)
+  with grpc.insecure_channel(address) as channel:
+    call = channel.unary_unary(
+        wire.method_path(wire.HEALTH),
+        request_serializer=wire.dumps,
+        response_deserializer=wire.loads,
+    )
+    return call({}, timeout=5.0)
 
 
 def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
