@@ -24,6 +24,7 @@ import ml_collections
 from etils import epath
 
 from jax_dora.config import ConfigError, validate
+from jax_dora.distributed import maybe_initialize_distributed
 from jax_dora.data import PromptStream, make_eval_prompts
 from jax_dora.learner.mesh import make_mesh, split_devices
 from jax_dora.learner.train_state import Learner
@@ -62,22 +63,6 @@ def setup_logging(level: int = logging.INFO) -> None:
   logging.getLogger("jax_dora").setLevel(level)
   for noisy in ("absl", "orbax", "jax", "grain"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def maybe_initialize_distributed(cfg: ml_collections.ConfigDict) -> None:
-  """Joins the multi-host JAX runtime when asked (TPU pods, multi-process CPU)."""
-  d = cfg.distributed
-  if not d.enabled:
-    return
-  kwargs: dict[str, Any] = {}
-  if d.coordinator_address:
-    kwargs["coordinator_address"] = d.coordinator_address
-  if d.num_processes > 0:
-    kwargs["num_processes"] = d.num_processes
-  if d.process_id >= 0:
-    kwargs["process_id"] = d.process_id
-  jax.distributed.initialize(**kwargs)
-  log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
 def learner_processes(cfg: ml_collections.ConfigDict) -> set[int] | None:

@@ -85,6 +85,11 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+  """Reads every metrics record; a torn last line is skipped."""
+  return read_jsonl(path)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
   """Reads every record; a torn last line (run killed mid-write) is skipped."""
   with open(path, encoding="utf-8") as f:
     lines = f.read().splitlines()

@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from jax_dora.metrics.jsonl import read_jsonl
 from jax_dora.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -55,20 +56,7 @@ _OPEN = (ISSUED, FINISHED, AWAITING_REGENERATION)
 
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
   """Reads a trained-sample log; a torn last line (killed writer) is skipped."""
-  with open(path, encoding="utf-8") as f:
-    lines = f.read().splitlines()
-  out = []
-  for i, line in enumerate(lines):
-    if not line.strip():
-      continue
-    try:
-      out.append(json.loads(line))
-    except json.JSONDecodeError:
-      if i == len(lines) - 1:
-        log.warning("%s: skipping torn last line", path)
-        continue
-      raise ValueError(f"{path}:{i + 1}: not valid JSON: {line[:80]!r}") from None
-  return out
+  return read_jsonl(path)
 
 
 def _spans_json(traj: Trajectory) -> list[list[int]]:

@@ -67,24 +67,11 @@ def _init_distributed(config) -> None:
   """
   import jax  # pylint: disable=g-import-not-at-top
 
-  d = config.distributed
-  if not d.enabled:
+  from jax_dora.distributed import maybe_initialize_distributed  # pylint: disable=g-import-not-at-top
+
+  if not maybe_initialize_distributed(config):
     return
-  kwargs = {}
-  if d.coordinator_address:
-    kwargs["coordinator_address"] = d.coordinator_address
-  if d.num_processes > 0:
-    kwargs["num_processes"] = d.num_processes
-  if d.process_id >= 0:
-    kwargs["process_id"] = d.process_id
-  # With no explicit arguments JAX auto-detects the cluster (TPU metadata,
-  # SLURM, ...), which is the normal path on Cloud TPU.
-  jax.distributed.initialize(**kwargs)
-  _log.info(
-      "jax.distributed initialised: process %d of %d",
-      jax.process_index(),
-      jax.process_count(),
-  )
+  d = config.distributed
   n = d.num_learner_processes
   if 0 < n and jax.process_index() < n:
     raise app.UsageError(
