@@ -308,3 +308,12 @@ def test_discard_after_removes_newer_versions(tmp_path):
   assert reader.versions() == [0, 1, 2]
   loaded, _ = reader.load(2)
   np.testing.assert_allclose(np.asarray(loaded['w']), 20.0)
+
+
+def test_relative_directory_is_resolved(tmp_path, monkeypatch):
+  """``--config.output_dir=runs/x`` must work although Orbax wants absolute paths."""
+  monkeypatch.chdir(tmp_path)
+  with SnapshotPublisher('runs/rel/snapshots') as pub:
+    pub.publish(0, {'w': np.ones((2,), np.float32)})
+  assert SnapshotReader('runs/rel/snapshots').versions() == [0]
+  assert (tmp_path / 'runs' / 'rel' / 'snapshots').is_dir()

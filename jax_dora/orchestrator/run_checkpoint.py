@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jax_dora.snapshots.store import manager_kwargs, multiprocessing_options, savable
+from jax_dora.snapshots.store import absolute_path
 from jax_dora.types import Prompt
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class RunCheckpointer:
     """``processes``: under ``jax.distributed``, the learner's processes
     (``None`` = every process of the cluster), so that Orbax barriers and
     primary-host writes never involve rollout-server processes."""
-    self.directory = epath.Path(directory)
+    self.directory = absolute_path(directory)
     manager_kw, options_kw = manager_kwargs(
         self.directory,
         multiprocessing_options(processes, "jax_dora_run_checkpoint"),

@@ -223,7 +223,7 @@ class RolloutDriver:
       self.store.abort_load(version)
       raise
     self.store.finish_load(version, params)
-    _log.info("%s: loaded version %d (held: %s)", self.name, version, self.store.loaded)
+    _log.debug("%s: loaded version %d (held: %s)", self.name, version, self.store.loaded)
 
   def _maybe_load_pending(self) -> None:
     """Loads a pending version once a slot has freed room (driver thread)."""

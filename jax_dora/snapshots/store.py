@@ -30,6 +30,7 @@ never as corruption.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import time
 from collections.abc import Collection
@@ -54,6 +55,18 @@ _TRASH_SUBDIR = '.snapshot-trash'
 # progress, so a small bound suffices.
 _LATEST_RETRIES = 8
 
+
+
+def absolute_path(directory: str | os.PathLike) -> epath.Path:
+  """Orbax requires absolute paths: resolve local ones, keep ``gs://`` URIs.
+
+  Users pass relative dirs (``--config.output_dir=runs/x``); resolving here,
+  in the one place every Orbax directory goes through, makes that just work.
+  """
+  text = os.fspath(directory)
+  if "://" in text:
+    return epath.Path(text)
+  return epath.Path(os.path.abspath(text))
 
 class SnapshotError(Exception):
   """Base class for snapshot-store failures."""
@@ -234,7 +247,7 @@ class SnapshotPublisher:
     """
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
-    self._directory = epath.Path(directory)
+    self._directory = absolute_path(directory)
     self._local = _is_local(self._directory)
     manager_kw, options_kw = manager_kwargs(
         self._directory,
@@ -420,7 +433,7 @@ class SnapshotReader:
   """
 
   def __init__(self, directory: str | epath.Path):
-    self._directory = epath.Path(directory)
+    self._directory = absolute_path(directory)
 
   @property
   def directory(self) -> epath.Path:
