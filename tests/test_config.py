@@ -41,3 +41,16 @@ def test_validate_catches_inconsistent_lengths():
   with pytest.raises(ConfigError, match="max_seq_len"):
     validate(c)
   validate(base_config())
+
+
+def test_main_job_cli_runs_with_relative_output_dir(tmp_path):
+  """The README's main command, shortened: relative paths, embedded servers."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_dora.train", f"--config={ROOT}/configs/tiny.py",
+       "--config.total_steps=2", "--config.output_dir=runs/cli", "--config.eval.num_prompts=8"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = (tmp_path / "runs" / "cli" / "summary.json").read_text()
+  assert '"steps": 2' in summary and '"integrity_violations": []' in summary
