@@ -206,7 +206,7 @@ def run_training(
 
   learner = Learner(
       model_cfg, cfg.learner, mesh,
-      temperature=cfg.rollout.temperature, total_steps=cfg.total_steps, seed=cfg.seed,
+      temperature=cfg.rollout.temperature, seed=cfg.seed,
   )
   stream = PromptStream(cfg)
   eval_prompts = make_eval_prompts(cfg, cfg.eval.num_prompts) if cfg.eval.num_prompts else []

@@ -34,7 +34,7 @@ class TrainState:
   ref_params: Any = None
 
 
-def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """AdamW with linear warmup and gradient clipping (standard RL-finetune recipe)."""
   warmup = max(int(cfg.warmup_steps), 1)
   schedule = optax.join_schedules(
@@ -45,7 +45,6 @@ def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Gr
       ],
       [warmup],
   )
-  del total_steps
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
       optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay),
@@ -62,7 +61,6 @@ class Learner:
       mesh: Mesh,
       *,
       temperature: float = 1.0,
-      total_steps: int = 1000,
       seed: int = 0,
   ):
     self.model_cfg = model_cfg
@@ -70,7 +68,7 @@ class Learner:
     self.mesh = mesh
     self.temperature = float(temperature)
     self.model = Transformer(model_cfg)
-    self.tx = make_optimizer(learner_cfg, total_steps)
+    self.tx = make_optimizer(learner_cfg)
     self.use_ref = learner_cfg.kl_coef > 0.0
 
     rng = jax.random.PRNGKey(seed)
@@ -140,13 +138,6 @@ class Learner:
   def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     self.state, metrics = self._step_fn(self.state, self.put_batch(batch))
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-  def loss_only(self, batch: dict[str, np.ndarray]) -> float:
-    """Loss at the current parameters without updating (for tests/eval)."""
-    fn = jax.jit(lambda p, b, r: self._loss(p, b, r)[0], in_shardings=(
-        self.state_sharding.params, self.batch_sharding,
-        self.state_sharding.ref_params))
-    return float(fn(self.state.params, self.put_batch(batch), self.state.ref_params))
 
   @property
   def step(self) -> int:

@@ -124,7 +124,6 @@ class Orchestrator:
     self._stop = False
     self._fatal: BaseException | None = None
     self._bg_tasks: set[asyncio.Task] = set()
-    self._held_partials: list[tuple[Prompt, Trajectory]] = []
     self._pause_resumes = False
     self._resume_gate = asyncio.Event()
     self._resume_gate.set()
@@ -132,7 +131,10 @@ class Orchestrator:
     self._trained_tokens = 0
     self._generated_tokens = 0
     self._last_status: dict[str, tuple[float, float]] = {}
-    self._start_step = int(learner.step)
+    # Set once the streaming producer starts: its wake-up condition and the
+    # servers' slot + queue capacity it keeps busy.
+    self._produce_cond_live: asyncio.Condition | None = None
+    self._rollout_capacity: int | None = None
 
   # ------------------------------------------------------------------ prompts
   def _next_prompt(self) -> Prompt:
@@ -426,7 +428,7 @@ class Orchestrator:
     g = self.group_size
     if in_flight + self.pool.num_trajectories() + g > self._capacity_samples():
       return False
-    cap = getattr(self, "_rollout_capacity", None)
+    cap = self._rollout_capacity
     if cap is None:
       return True
     batch = self.groups_per_step * g
@@ -455,7 +457,7 @@ class Orchestrator:
       self._kick_producer()
 
   def _kick_producer(self) -> None:
-    cond = getattr(self, "_produce_cond_live", None)
+    cond = self._produce_cond_live
     if cond is not None:
       async def notify():
         async with cond:
