@@ -190,7 +190,8 @@ def test_versions_published_while_in_flight(setup):
 
 
 def test_new_version_pending_while_all_held_versions_pinned(setup):
-  """max_versions=2, slots pinned to 1 and 2: version 3 waits, new work queues."""
+  """max_versions=2, slots pinned to 1 and 2: version 3 waits for version 1 to
+  drain; new work meanwhile starts on the newest held version (2), not idle."""
   _, publisher, params, fixture_driver = setup
   fixture_driver.stop()
   engine = DoraEngine(CFG, TOK, num_slots=4, max_prefill_length=16, temperature=1.0, seed=1)
@@ -202,8 +203,8 @@ def test_new_version_pending_while_all_held_versions_pinned(setup):
     driver.load_version(1)
     reached1, release1 = col.gate("v1_0", 2)
     reached2, release2 = col.gate("v2_0", 1)
-    for i in range(3):
-      col.submit(api.RolloutRequest(f"v1_{i}", _prompt(i), max_new_tokens=40))
+    for i in range(3):  # v1_0 ends first and frees a slot while 1 is still pinned
+      col.submit(api.RolloutRequest(f"v1_{i}", _prompt(i), max_new_tokens=10 if i == 0 else 40))
     assert reached1.wait(30)  # driver frozen with three slots pinned to 1
     publisher.publish(2, params[2])
     driver.load_version(2)
@@ -218,11 +219,16 @@ def test_new_version_pending_while_all_held_versions_pinned(setup):
     col.submit(api.RolloutRequest("x", _prompt(9), max_new_tokens=4))
     release2.set()
     col.wait(lambda: "x" in col.terminal)
-    # x only started once every version-1 slot had finished and freed room.
-    assert all(f"v1_{i}" in col.terminal for i in range(3)), (col.terminal, driver.status(), driver.store._refs)
-    assert col.terminal["x"].spans[0].version == 3
-    col.wait(lambda: "v2_0" in col.terminal)
+    # x took v1_0's slot at once, on the newest held version, while 3 waited.
+    assert col.terminal["x"].spans[0].version == 2
+    assert "v1_1" not in col.terminal or driver.store.peak_loaded <= 2
+    col.wait(lambda: all(k in col.terminal for k in ("v1_1", "v1_2", "v2_0")))
     assert col.terminal["v2_0"].spans[0].version == 2
+    # Version 1 drained, so the pending version was loaded; the cap held.
+    col.submit(api.RolloutRequest("y", _prompt(8), max_new_tokens=4))
+    col.wait(lambda: "y" in col.terminal)
+    assert col.terminal["y"].spans[0].version == 3
+    assert driver.store.peak_loaded == 2
     assert driver.store.peak_loaded == 2
     assert driver.status().versions_loaded == (3,)
   finally:
@@ -335,7 +341,14 @@ def test_version_store_pending_when_all_pinned():
   assert (a, b, store.loaded) == (3, 4, (3, 4))
   assert store.begin_load(5) is LoadDecision.PENDING
   assert store.begin_load(6) is LoadDecision.PENDING  # supersedes 5
-  assert not store.admitting and store.take_pending() is None
+  # New work keeps starting on the newest held version (4) meanwhile; only 3's
+  # pin blocks the pending load, and nothing new can pin 3.
+  assert store.admitting and store.take_pending() is None
+  with pytest.raises(api.VersionUnavailableError):
+    store.acquire(5)
+  c = store.acquire()
+  assert c == 4
+  store.release(c)
   store.release(a)  # 3 freed: room for the pending version
   assert store.loaded == (4,)
   assert store.take_pending() == 6 and store.num_loaded == 2
@@ -345,3 +358,19 @@ def test_version_store_pending_when_all_pinned():
   assert store.loaded == (6,) and store.peak_loaded == 2
   with pytest.raises(api.VersionUnavailableError):
     store.acquire(4)
+
+
+def test_ignore_eos_generates_exactly_the_budget(setup):
+  """``ignore_eos`` (benchmarks' fixed lengths): EOS tokens do not end the request."""
+  _, publisher, params, driver = setup
+  publisher.publish(1, params[1])
+  driver.load_version(1)
+  col = Collector(driver)
+  budgets = {f"fixed{i}": 20 + i for i in range(12)}
+  for rid, n in budgets.items():
+    col.submit(api.RolloutRequest(rid, _prompt(int(rid[5:])), max_new_tokens=n, ignore_eos=True))
+  col.wait(lambda: all(r in col.terminal for r in budgets))
+  toks = {r: np.asarray(col.terminal[r].completion_tokens) for r in budgets}
+  assert all(len(toks[r]) == n and col.terminal[r].finish_reason == "length" for r, n in budgets.items())
+  # The random policy did sample EOS mid-sequence (else this test proves nothing).
+  assert any((t[:-1] == TOK.eos_id).any() for t in toks.values())

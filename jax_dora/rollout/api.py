@@ -49,6 +49,14 @@ class RolloutRequest:
   resume_tokens: np.ndarray | None = None
   resume_logprobs: np.ndarray | None = None
   resume_spans: tuple[TokenSpan, ...] = ()
+  # Generate exactly ``max_new_tokens`` (EOS does not end the request), as
+  # vLLM's ``ignore_eos``: lets a benchmark fix every rollout's length to the
+  # workload's instead of to whatever the policy currently emits.
+  ignore_eos: bool = False
+  # Send per-token RolloutChunks before the result. Callers that only want the
+  # result (``RolloutClient.generate``) turn it off: over gRPC a chunk per
+  # decode step per request costs more than the decode step itself.
+  stream: bool = True
 
 
 @dataclasses.dataclass
@@ -81,6 +89,10 @@ class ServerStatus:
   slot_versions: tuple[int, ...]  # pinned version per active slot
   generated_tokens: int  # since start
   busy_time_s: float  # wall time spent in prefill/generate since start
+  decode_steps: int = 0  # generate calls since start
+  # Decode passes since start: one per live version per step, so
+  # decode_passes / decode_steps is the multi-version overhead factor.
+  decode_passes: int = 0
 
 
 @runtime_checkable

@@ -26,6 +26,7 @@ same exception type and only that request's id.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -159,8 +160,9 @@ class GrpcRolloutClient:
       call.cancel()
 
   async def generate(self, request: api.RolloutRequest) -> api.RolloutResult:
+    """The final result only: the server sends no per-token chunks."""
     result = None
-    async for item in self.stream(request):
+    async for item in self.stream(dataclasses.replace(request, stream=False)):
       result = item
     assert isinstance(result, api.RolloutResult)
     return result

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from jax_dora.rollout import api
@@ -91,6 +92,7 @@ class RolloutDriver:
       chunk_steps: int = 1,
       stop_on_eos: bool = True,
       load_fn: Callable[[int], object] | None = None,
+      precompile: bool = False,
   ):
     """Starts the loop thread.
 
@@ -107,6 +109,9 @@ class RolloutDriver:
       load_fn: ``version -> params`` on this engine's devices; default reads
         the snapshot with ``engine.load_params`` (embedded servers in one
         process pass a shared loader that reads each snapshot once).
+      precompile: Compile every device call the loop can make (each prefill
+        bucket, 1..max_versions live versions) before serving, so no request
+        stalls on a compile mid-run (``config.precompile``).
     """
     self.engine = engine
     self.name = name
@@ -129,7 +134,13 @@ class RolloutDriver:
     self._generated = 0
     self._busy_s = 0.0
     self._steps = 0
+    self._passes = 0  # sum over steps of live versions (one decode pass each)
 
+    if precompile:
+      t0 = time.perf_counter()
+      engine.warmup(max_versions)
+      _log.info("%s: compiled decode for up to %d versions in %.1fs", name, max_versions,
+                time.perf_counter() - t0)
     self._state = engine.init_decode_state()
     self._thread = threading.Thread(target=self._run, name=f"rollout-driver-{name}", daemon=True)
     self._thread.start()
@@ -198,6 +209,8 @@ class RolloutDriver:
           slot_versions=tuple(s.version for s in active),
           generated_tokens=self._generated,
           busy_time_s=self._busy_s,
+          decode_steps=self._steps,
+          decode_passes=self._passes,
       )
 
   def stop(self, timeout_s: float = 30.0) -> None:
@@ -323,24 +336,37 @@ class RolloutDriver:
 
   # ------------------------------------------------------------- admission
   def _admit(self) -> None:
-    """Fills free slots from the queue (prefill on the newest version)."""
+    """Fills free slots from the queue (prefill on the newest version).
+
+    Every prefill is dispatched first and the first tokens are read back in
+    one transfer afterwards: one host sync per admission round rather than
+    per request (admissions are frequent under long-tailed lengths).
+    """
+    firsts: list[tuple[int, jax.Array]] = []
     while True:
       free = [i for i, s in enumerate(self._slots) if s is None]
       if not free or not self.store.admitting:
-        return
+        break
       with self._lock:
         if not self._queue:
-          return
+          break
         q = self._queue.popleft()
-      self._admit_one(free[0], q)
+      first = self._admit_one(free[0], q)
+      if first is not None:
+        firsts.append((free[0], first))
+    if firsts:
+      values = jax.device_get([f for _, f in firsts])
+      for (slot, _), (tok, lp) in zip(firsts, values):
+        self._append(slot, int(tok), float(lp))
 
-  def _admit_one(self, slot: int, q: _Queued) -> None:
+  def _admit_one(self, slot: int, q: _Queued) -> jax.Array | None:
+    """Prefills ``q`` into ``slot``; returns its first (token, logprob) on device."""
     req = q.request
     try:
       version = self.store.acquire(req.version)
     except api.VersionUnavailableError as e:
       self._safe_call(q.callback, api.VersionUnavailableError(f"{self.name}: {e}", (req.request_id,)))
-      return
+      return None
     try:
       resume, resume_lps, spans = _resume_parts(req)
       prompt = np.asarray(req.prompt_tokens, np.int32).reshape(-1)
@@ -355,20 +381,20 @@ class RolloutDriver:
     except ValueError as e:
       self.store.release(version)
       self._safe_call(q.callback, api.RolloutError(f"{self.name}: bad request: {e}", (req.request_id,)))
-      return
+      return None
     if budget <= 0:  # Resumed with nothing left to generate.
       self.store.release(version)
       self._safe_call(q.callback, api.RolloutResult(
           req.request_id, resume, resume_lps, spans, "length", prefill_version=version))
-      return
+      return None
     t0 = time.perf_counter()
     padded, n = self.engine.pad_tokens(context)
-    self._state, first_tok, first_lp = self.engine.prefill_insert(
+    self._state, first = self.engine.prefill_insert_async(
         self.store.params(version), version, padded, n, self._state, slot)
     self._busy_s += time.perf_counter() - t0
     act = _Active(req, q.callback, version, context_len=len(context), budget=budget, stream=q.stream)
     self._slots[slot] = act
-    self._append(slot, first_tok, first_lp)
+    return first
 
   def _free_unfilled(self) -> None:
     """Deactivates finished slots that admission did not refill.
@@ -388,7 +414,7 @@ class RolloutDriver:
     s.tokens.append(token)
     s.logprobs.append(logprob)
     self._generated += 1
-    if token == self.eos_id:
+    if token == self.eos_id and not s.request.ignore_eos:
       self._finish(slot, "eos")
     elif len(s.tokens) >= s.budget:
       self._finish(slot, "length")
@@ -401,6 +427,7 @@ class RolloutDriver:
     result = result.convert_to_numpy()
     self._busy_s += time.perf_counter() - t0
     self._steps += 1
+    self._passes += len(live)
     for i, s in enumerate(self._slots):
       if s is None:
         continue

@@ -183,6 +183,7 @@ def build_embedded_servers(
     driver = RolloutDriver(
         engine, snapshot_dir, max_versions=r.max_versions, name=f"server{i}",
         load_fn=functools.partial(loader.load, engine),
+        precompile=bool(config.precompile),
     )
     clients.append(EmbeddedRolloutClient(driver))
   return clients

@@ -192,9 +192,17 @@ class DoraEngine(engine_api.Engine):
     # Prefill draws its first-token randomness from a host-side counter (the
     # JetStream prefill signature has no rng argument); a lock keeps the
     # counter consistent if several threads prefill.
-    self._base_key = jax.random.PRNGKey(seed)
+    # On the engine's devices (not the default device, which may be the
+    # learner's): keys derived from it need no transfer, and warmup's
+    # abstract key matches them.
+    self._base_key = jax.device_put(jax.random.PRNGKey(seed), self.replicated)
     self._prefill_count = 0
     self._rng_lock = threading.Lock()
+    self._abstract_params: Params | None = None
+    # Gathered sub-batch sizes for a version's rows (see
+    # _multi_version_step_impl): slots/8, /4, /2, then a full pass.
+    self._row_buckets = tuple(sorted(
+        {max(1, self._num_slots // d) for d in (8, 4, 2)} - {self._num_slots})) + (self._num_slots,)
     self._build_jitted()
 
   # ---------------------------------------------------------------- placement
@@ -235,9 +243,15 @@ class DoraEngine(engine_api.Engine):
 
   # ------------------------------------------------------------------- params
   def abstract_params(self) -> Params:
-    """Shape/dtype/sharding of the params, for restoring snapshots onto us."""
-    shapes = jax.eval_shape(lambda r: init_params(self.model_cfg, r), jax.random.PRNGKey(0))
-    return abstract_target_like(shapes, self.replicated)
+    """Shape/dtype/sharding of the params, for restoring snapshots onto us.
+
+    Computed once: tracing the Flax init costs more than the Orbax read of
+    a small model, and every version load needs it.
+    """
+    if self._abstract_params is None:
+      shapes = jax.eval_shape(lambda r: init_params(self.model_cfg, r), jax.random.PRNGKey(0))
+      self._abstract_params = abstract_target_like(shapes, self.replicated)
+    return self._abstract_params
 
   def load_params(self, reader: SnapshotReader, version: int) -> Params:  # pytype: disable=signature-mismatch
     """Restores snapshot ``version`` straight onto this engine's devices."""
@@ -248,12 +262,37 @@ class DoraEngine(engine_api.Engine):
     """Copies an in-memory param tree onto the engine's devices (tests, benchmarks)."""
     return jax.device_put(params, self.replicated)
 
+  def warmup(self, max_versions: int) -> None:
+    """Compiles prefill+insert (every bucket), decode for 1..``max_versions``
+    live versions and slot freeing ahead of time.
+
+    Without it the first step that meets a second (third, ...) live version
+    or a resumed request's longer prefill bucket compiles mid-run, stalling
+    every slot of the server for seconds. Lowering uses abstract params and
+    never executes, so no decode state is consumed.
+    """
+    params = self.abstract_params()
+    state = jax.eval_shape(self._init_impl, jax.random.PRNGKey(0))
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, self._state_sharding)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self.replicated)
+    i32 = np.int32(0)
+    for b in self.buckets:
+      tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
+      self._prefill_insert_fn.lower(params, state, tokens, i32, i32, key, np.uint32(0), i32).compile()
+    self._single_fn.lower(params, state, i32).compile()
+    for k in range(2, int(max_versions) + 1):
+      self._multi_fn.lower((params,) * k, state, np.arange(k, dtype=np.int32)).compile()
+    self._free_fn.lower(state, i32).compile()
+
   # ------------------------------------------------------------------ prefill
-  def _next_prefill_key(self) -> jax.Array:
+  def _next_prefill_count(self) -> int:
     with self._rng_lock:
       self._prefill_count += 1
-      n = self._prefill_count
-    return jax.random.fold_in(self._base_key, n)
+      return self._prefill_count
+
+  def _next_prefill_key(self) -> jax.Array:
+    return jax.random.fold_in(self._base_key, self._next_prefill_count())
 
   def _prefill_impl(self, params, cache, tokens, offset, true_length, version, rng):
     t = tokens.shape[0]
@@ -317,7 +356,10 @@ class DoraEngine(engine_api.Engine):
         params, cache, tokens, jnp.int32(offset), jnp.int32(true_length), jnp.int32(version), rng
     )
 
-  def _prefill_insert_impl(self, params, state, tokens, true_length, version, rng, slot):
+  def _prefill_insert_impl(self, params, state, tokens, true_length, version, base_key, count, slot):
+    # The key is derived in-jit: an eager fold_in per request is a device
+    # dispatch of its own.
+    rng = jax.random.fold_in(base_key, count)
     prefix = self._prefill_impl(
         params, KVCache.zeros(self.model_cfg, 1), tokens, jnp.int32(0), true_length, version, rng
     )
@@ -333,17 +375,30 @@ class DoraEngine(engine_api.Engine):
     Same result as the two calls (same rng stream); returns the new state
     (``decode_state`` is donated) and the first token and its log-prob.
     """
+    state, first = self.prefill_insert_async(
+        params, version, padded_tokens, true_length, decode_state, slot)
+    tok, lp = np.asarray(first)
+    return state, int(tok), float(lp)
+
+  def prefill_insert_async(
+      self, params: Params, version: int, padded_tokens: np.ndarray, true_length: int,
+      decode_state: DecodeState, slot: int,
+  ) -> tuple[DecodeState, jax.Array]:
+    """:meth:`prefill_insert` without waiting: the first token stays on device.
+
+    Returns the new state and a ``[2]`` device array ``(token, logprob)``.
+    A driver admitting several requests dispatches them all and reads every
+    first token in one transfer, instead of one host sync per request.
+    """
     if not 0 <= slot < self._num_slots:
       raise ValueError(f"slot {slot} out of range [0, {self._num_slots})")
     tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
     if not 0 < true_length <= tokens.shape[0]:
       raise ValueError(f"true_length={true_length} not in (0, {tokens.shape[0]}]")
-    state, first = self._prefill_insert_fn(
+    return self._prefill_insert_fn(
         params, decode_state, tokens, np.int32(true_length), np.int32(version),
-        self._next_prefill_key(), np.int32(slot),
+        self._base_key, np.uint32(self._next_prefill_count()), np.int32(slot),
     )
-    tok, lp = np.asarray(first)
-    return state, int(tok), float(lp)
 
   def pad_tokens(self, tokens: np.ndarray) -> tuple[np.ndarray, int]:
     """Right-pads ``tokens`` with PAD to the smallest bucket that fits."""
@@ -417,16 +472,56 @@ class DoraEngine(engine_api.Engine):
     )
     return self._finish_step_impl(state, cache, tokens, logp, next_rng)
 
+  def _decode_rows_impl(
+      self, params, state: DecodeState, acc_cache, acc_tokens, acc_logp, version, rng, size: int):
+    """Like :meth:`_decode_version_impl`, but computes only the (at most
+    ``size``) rows pinned to ``version``, gathered into a smaller batch.
+
+    Under DORA every live version's rows need their own pass; a full pass
+    over every slot per version would multiply the decode cost by the number
+    of live versions, while the rows themselves add up to one batch.
+    """
+    b = state.tokens.shape[0]
+    mine = state.active & (state.version == version)
+    idx = jnp.nonzero(mine, size=size, fill_value=b)[0]  # b = padding
+    rows = jnp.minimum(idx, b - 1)
+    sub_cache = KVCache(k=state.cache.k[:, rows], v=state.cache.v[:, rows])
+    logits, sub_cache = self.model.apply(
+        {"params": params}, state.tokens[rows][:, None], state.positions[rows][:, None],
+        kv_cache=sub_cache,
+    )
+    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p)
+    acc_cache = KVCache(
+        k=acc_cache.k.at[:, idx].set(sub_cache.k, mode="drop"),
+        v=acc_cache.v.at[:, idx].set(sub_cache.v, mode="drop"),
+    )
+    return (acc_cache, acc_tokens.at[idx].set(tok, mode="drop"),
+            acc_logp.at[idx].set(logp, mode="drop"))
+
   def _multi_version_step_impl(self, params_list, state: DecodeState, versions):
-    """Every pass reads the original ``state``; rows commit their own version's pass."""
+    """Every pass reads the original ``state``; rows commit their own version's pass.
+
+    Each version decodes only its own rows, gathered into the smallest of
+    ``row_buckets`` that holds them (a full pass when it holds most slots);
+    the bucket is chosen per step on device, so K live versions cost about
+    one pass over the slots rather than K.
+    """
     rng, next_rng = jax.random.split(state.rng)
-    cache, tokens = state.cache, state.tokens
-    logp = jnp.zeros(state.tokens.shape, jnp.float32)
+    acc = (state.cache, state.tokens, jnp.zeros(state.tokens.shape, jnp.float32))
+    sizes = self._row_buckets
     for i, params in enumerate(params_list):
-      cache, tokens, logp = self._decode_version_impl(
-          params, state, cache, tokens, logp, versions[i], jax.random.fold_in(rng, versions[i])
-      )
-    return self._finish_step_impl(state, cache, tokens, logp, next_rng)
+      v, key = versions[i], jax.random.fold_in(rng, versions[i])
+      branches = [
+          (lambda a, p=params, v=v, k=key, n=n: self._decode_rows_impl(p, state, *a, v, k, n))
+          for n in sizes[:-1]
+      ] + [lambda a, p=params, v=v, k=key: self._decode_version_impl(p, state, *a, v, k)]
+      if len(branches) == 1:
+        acc = branches[0](acc)
+        continue
+      count = jnp.sum(state.active & (state.version == v))
+      which = jnp.searchsorted(jnp.asarray(sizes[:-1], jnp.int32), count)  # first size >= count
+      acc = jax.lax.switch(which, branches, acc)
+    return self._finish_step_impl(state, *acc, next_rng)
 
   def generate(
       self, params: MultiVersionParams | Params, decode_state: DecodeState

@@ -186,7 +186,7 @@ class RolloutServer:
         # lock, so they run inline: routing them through the default
         # executor (a handful of threads) would let a slow LoadVersion
         # starve every new stream.
-        self._driver.submit(request, callback)
+        self._driver.submit(request, callback, stream=bool(request.stream))
       except Exception as e:  # pylint: disable=broad-except
         finished = True
         yield wire.WireError.from_exception(e, rid)

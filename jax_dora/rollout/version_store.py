@@ -10,13 +10,15 @@ it and it is not the newest (nobody new will ever ask for it).
 every held version is still pinned by a running slot, we do *not* load it
 (that would exceed the cap) and we do not preempt running slots (that would
 throw away work, and DORA's point is not to). Instead the version becomes
-*pending*: new requests queue (admission stops, so no slot can newly pin an old
-version) until running slots finish, the oldest version's refcount reaches 0
-and it is freed; then the pending version is loaded and admission resumes on
-it. Queueing, rather than admitting new requests on the stale newest version,
-keeps the DORA rule "new work starts on the newest policy the server was
-given", at the cost of a short admission stall. Since admissions stop while a
-version is pending, refcounts only fall, so the stall always ends.
+*pending* and is loaded as soon as the oldest version's last slot finishes.
+Meanwhile new requests keep being admitted on the newest *held* version, so
+slots never idle behind a long-tailed rollout (exactly what happens in the
+window between a publish and its load anyway; the staleness bound still
+applies to every trajectory). New pins only ever go to the newest held
+version, never to the older ones, so their refcounts only fall and the
+pending version always gets its room. With ``max_versions=1`` that argument
+fails (the one held version is the one being pinned), so admission stops
+while a version is pending or loading.
 
 If several versions arrive while one is pending, only the latest is kept
 pending: an intermediate version would be superseded before any request could
@@ -90,9 +92,11 @@ class VersionStore:
 
   @property
   def admitting(self) -> bool:
-    """Whether new requests may be admitted (nothing pending or loading)."""
+    """Whether new requests may be admitted now (see the module docstring)."""
     with self._lock:
-      return self._pending is None and self._loading is None and self._newest is not None
+      if self._newest is None:
+        return False
+      return self.max_versions > 1 or (self._pending is None and self._loading is None)
 
   def refcount(self, version: int) -> int:
     with self._lock:
