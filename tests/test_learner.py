@@ -103,3 +103,37 @@ def test_split_devices_disjoint():
   assert not set(learner) & set(rollout)
   with pytest.raises(ValueError):
     split_devices(-1, 8)
+
+
+def test_bucket_length_picks_smallest_fitting_bucket():
+  from jax_dora.learner.batching import bucket_length, parse_buckets  # pylint: disable=g-import-not-at-top
+
+  buckets = parse_buckets("64, 48,200", 96)
+  assert buckets == (48, 64, 96)
+  short = [_traj(0, 0, [1] * 20, [3] * 10, [0.0] * 10)]
+  long = short + [_traj(0, 1, [1] * 20, [3] * 50, [0.0] * 50)]
+  assert bucket_length(short, buckets) == 48
+  assert bucket_length(long, buckets) == 96
+  assert parse_buckets("", 96) == (96,)
+  with pytest.raises(ValueError):
+    parse_buckets("1", 96)
+
+
+def test_warmup_compiles_every_length_bucket_ahead_of_time():
+  """After ``warmup`` no train step on a bucketed shape compiles (no mid-run stalls)."""
+  from _compiles import count_compiles  # pylint: disable=g-import-not-at-top
+
+  cfg = base_config()
+  model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=24)
+  learner = Learner(model_cfg, cfg.learner, make_mesh(jax.devices()[:2]), seed=5)
+  rng = np.random.default_rng(1)
+  with count_compiles() as before:
+    learner.warmup(4, (16, 24))
+  assert len(before) == 2  # one executable per bucket
+  for seq_len in (16, 24):
+    trajs = [_traj(i // 2, i % 2, [1, 5, 6], rng.integers(3, 48, size=4), [-1.0] * 4)
+             for i in range(4)]
+    batch = make_batch(trajs, group_advantages(rng.random(4), 2), seq_len)
+    with count_compiles() as seen:
+      learner.train_step(batch)
+    assert seen == [], f"train step on [4, {seq_len}] compiled after warmup"

@@ -1,8 +1,11 @@
-"""Turns trajectories into fixed-shape training arrays.
+"""Turns trajectories into bucketed fixed-shape training arrays.
 
-Shapes are fixed (``[batch, max_seq_len - 1]``) so the jitted train step
-compiles once per run, whatever mix of short and long completions a step
-receives: long-tailed lengths must not trigger recompiles.
+Rows are padded to one of a few sequence-length buckets (``bucket_length``)
+so the jitted train step compiles at most once per bucket, whatever mix of
+short and long completions a step receives: long-tailed lengths must not
+trigger recompiles, yet a batch of short answers should not pay for
+``max_seq_len`` positions (the step's cost is linear in the padded length;
+padding every batch to the longest possible sequence doubled it here).
 """
 
 from __future__ import annotations
@@ -12,6 +15,29 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_dora.types import Trajectory
+
+
+def parse_buckets(spec: str, max_seq_len: int) -> tuple[int, ...]:
+  """``"32,64"`` -> ``(32, 64, max_seq_len)``: sorted, capped, max always last."""
+  out = set()
+  for part in (x.strip() for x in spec.split(",")):
+    if not part:
+      continue
+    n = int(part)
+    if n < 2:
+      raise ValueError(f"sequence-length bucket {n} must be >= 2")
+    if n < max_seq_len:
+      out.add(n)
+  return tuple(sorted(out)) + (max_seq_len,)
+
+
+def bucket_length(trajectories: Sequence[Trajectory], buckets: Sequence[int]) -> int:
+  """The smallest bucket holding every ``prompt + completion`` row."""
+  need = max(len(t.prompt_tokens) + len(t.completion_tokens) for t in trajectories)
+  for b in buckets:
+    if need <= b:
+      return int(b)
+  return int(buckets[-1])  # make_batch reports the overflow with the row's key
 
 
 def make_batch(

@@ -10,6 +10,7 @@ materialised unsharded on one device.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import flax
@@ -130,6 +131,32 @@ class Learner:
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  def warmup(self, batch_rows: int, seq_lens: Sequence[int]) -> None:
+    """Compiles the train step for every ``[batch_rows, seq_len]`` shape ahead of time.
+
+    Training rows are bucketed (``learner.seq_len_buckets``), so a run meets
+    a handful of shapes; compiling them at start-up (MaxText-style AOT)
+    keeps multi-second compiles out of the first steps that hit a new bucket,
+    where they would stall the learner mid-run. Lowering never executes, so
+    the (donated) state is untouched; the executables land in JAX's
+    compilation cache that later calls hit.
+    """
+    for seq_len in sorted(set(int(s) for s in seq_lens)):
+      t = seq_len - 1
+
+      def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+
+      batch = {
+          "inputs": spec((batch_rows, t), jnp.int32),
+          "targets": spec((batch_rows, t), jnp.int32),
+          "positions": spec((batch_rows, t), jnp.int32),
+          "mask": spec((batch_rows, t), jnp.float32),
+          "behaviour_logprobs": spec((batch_rows, t), jnp.float32),
+          "advantages": spec((batch_rows,), jnp.float32),
+      }
+      self._step_fn.lower(self.state, batch).compile()
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Places a host batch on the learner mesh (batch dim over data x fsdp)."""
