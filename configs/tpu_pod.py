@@ -12,6 +12,7 @@ from jax_dora.config import base_config
 
 def get_config():
   c = base_config()
+  c.precompile = True
   c.mode = "dora_pace"
   c.role = "learner"
   c.output_dir = "gs://CHANGE-ME/jax-dora/run"

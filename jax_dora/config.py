@@ -19,6 +19,7 @@ MODES = (
     "dora_pace",
 )
 ASYNC_MODES = MODES[1:]
+LENGTH_MODES = ("eos", "answer")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -37,6 +38,10 @@ def base_config() -> ml_collections.ConfigDict:
   # not reached (0 = no limit). Benchmarks compare modes at equal budgets.
   c.max_wall_time_s = 0.0
   c.log_every = 1
+  # Compile every shape the run can meet (learner length buckets, rollout
+  # prefill buckets and 1..max_versions live versions) at start-up, so no step
+  # stalls on a compile mid-run. Off for tiny runs, where start-up dominates.
+  c.precompile = False
   c.progress_bar = True
 
   c.model = ml_collections.ConfigDict(
@@ -66,6 +71,11 @@ def base_config() -> ml_collections.ConfigDict:
           kl_coef=0.0,
           advantage_eps=1e-6,
           normalize_adv_std=True,
+          # Training rows are padded to the smallest of these lengths that
+          # fits the batch (model.max_seq_len is always the last bucket): one
+          # compile per bucket, no paying for max_seq_len on short answers.
+          # "" = always max_seq_len.
+          seq_len_buckets="48,64",
           # Learner devices: the first `num_devices` of jax.devices() (-1 = all not
           # given to rollout). Mesh axes (data, fsdp, tensor); -1 absorbs the rest.
           num_devices=4,
@@ -82,6 +92,12 @@ def base_config() -> ml_collections.ConfigDict:
           slots=16,  # decode slots per server (max_concurrent_decodes)
           max_prefill_length=32,
           max_new_tokens=56,
+          # "eos": a rollout ends at EOS or max_new_tokens (training).
+          # "answer": a rollout generates exactly len(answer) tokens, EOS
+          # ignored (vLLM's ignore_eos), so the workload's long-tailed length
+          # law, not the policy's current habits, sets every rollout's length:
+          # benchmarks compare modes on identical work this way.
+          length_mode="eos",
           temperature=1.0,
           top_p=1.0,
           max_versions=3,  # policy versions a server may hold at once
@@ -104,6 +120,12 @@ def base_config() -> ml_collections.ConfigDict:
           # partial_rollout: batch deadline as a fraction of the longest rollout.
           partial_rollout_fraction=0.5,
           max_server_restarts=3,
+          # async_unfiltered / dora / dora_pace: the learner
+          # only copies its params and goes on training while the Orbax write
+          # (and the servers' load) runs in the background; versions produced
+          # meanwhile are coalesced to the newest. sync / one_step_off /
+          # partial_rollout always publish before generating again.
+          async_publish=True,
       )
   )
 
@@ -176,7 +198,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"data.max_prompt_len={c.data.max_prompt_len} needs rollout.max_prefill_length >="
         f" {c.data.max_prompt_len + 1} (prompt + BOS)"
     )
+  try:
+    from jax_dora.learner.batching import parse_buckets  # pylint: disable=g-import-not-at-top
+
+    parse_buckets(str(c.learner.seq_len_buckets), c.model.max_seq_len)
+  except ValueError as e:
+    raise ConfigError(f"config.learner.seq_len_buckets={c.learner.seq_len_buckets!r}: {e}") from e
   if c.distributed.num_learner_processes == 0 or c.distributed.num_learner_processes < -1:
     raise ConfigError("config.distributed.num_learner_processes must be -1 (all) or >= 1")
+  if c.rollout.length_mode not in LENGTH_MODES:
+    raise ConfigError(f"config.rollout.length_mode={c.rollout.length_mode!r} is not one of {LENGTH_MODES}")
   if c.pace.on_reject not in ("regenerate", "drop"):
     raise ConfigError("config.pace.on_reject must be 'regenerate' or 'drop'")

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from etils import epath
 from jax_dora.config import ConfigError, validate
 from jax_dora.distributed import maybe_initialize_distributed
 from jax_dora.data import PromptStream, make_eval_prompts
+from jax_dora.learner.batching import parse_buckets
 from jax_dora.learner.mesh import make_mesh, split_devices
 from jax_dora.learner.train_state import Learner
 from jax_dora.metrics.jsonl import MetricsWriter
@@ -208,6 +210,10 @@ def run_training(
       model_cfg, cfg.learner, mesh,
       temperature=cfg.rollout.temperature, seed=cfg.seed,
   )
+  if cfg.precompile:
+    t0 = time.time()
+    learner.warmup(batch_rows, parse_buckets(str(cfg.learner.seq_len_buckets), cfg.model.max_seq_len))
+    log.info("compiled the train step for every length bucket in %.1fs", time.time() - t0)
   stream = PromptStream(cfg)
   eval_prompts = make_eval_prompts(cfg, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
 

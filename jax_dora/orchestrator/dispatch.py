@@ -113,6 +113,7 @@ class Dispatcher:
       version: int | None = None,
       resume: Trajectory | None = None,
       tag: str = "train",
+      ignore_eos: bool = False,
   ) -> RolloutResult:
     """Runs one request to completion (or abort), failing over on crashes."""
     while True:
@@ -123,6 +124,7 @@ class Dispatcher:
           prompt_tokens=prompt_tokens,
           max_new_tokens=max_new_tokens,
           version=version,
+          ignore_eos=ignore_eos,
       )
       if resume is not None and resume.num_completion_tokens:
         req.resume_tokens = resume.completion_tokens

@@ -42,9 +42,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_dora.learner.batching import make_batch
+from jax_dora.learner.batching import bucket_length, make_batch, parse_buckets
 from jax_dora.learner.grpo import group_advantages
 from jax_dora.metrics.histogram import staleness_histogram
 from jax_dora.orchestrator import staleness as staleness_lib
@@ -57,6 +59,18 @@ from jax_dora.types import Prompt, Trajectory
 log = logging.getLogger(__name__)
 
 STREAMING_MODES = ("async_unfiltered", "dora", "dora_pace")
+# Modes whose rollouts may start before the newest version is loaded, so the
+# Orbax write can leave the learner's critical path. sync and partial_rollout
+# must load the new version before generating again; one_step_off's next batch
+# must start on the version of the step just taken (staleness exactly 1).
+BACKGROUND_PUBLISH_MODES = STREAMING_MODES
+
+
+def _detached_copy(params: Any) -> Any:
+  """A device copy of ``params`` that the next (donating) train step cannot clobber."""
+  out = jax.tree.map(jnp.copy, params)
+  jax.block_until_ready(out)
+  return out
 
 
 @dataclasses.dataclass
@@ -110,8 +124,11 @@ class Orchestrator:
     self.groups_per_step = int(cfg.learner.groups_per_step)
     self.max_staleness = int(cfg.orchestrator.max_staleness)
     self.max_new_tokens = int(cfg.rollout.max_new_tokens)
+    self.fixed_lengths = cfg.rollout.length_mode == "answer"
     self.version = int(learner.step)  # newest published policy version
     self.pool = TrajectoryPool(self.group_size, self.max_staleness)
+    self._seq_buckets = parse_buckets(
+        str(cfg.learner.seq_len_buckets), int(cfg.model.max_seq_len))
     self.pace = (
         PaceController(PaceConfig.from_config(cfg.pace)) if self.mode == "dora_pace" else None
     )
@@ -130,11 +147,20 @@ class Orchestrator:
     self._t0 = time.time()
     self._trained_tokens = 0
     self._generated_tokens = 0
-    self._last_status: dict[str, tuple[float, float]] = {}
+    self._last_status: dict[str, tuple[float, float, int, int]] = {}
     # Set once the streaming producer starts: its wake-up condition and the
     # servers' slot + queue capacity it keeps busy.
     self._produce_cond_live: asyncio.Condition | None = None
     self._rollout_capacity: int | None = None
+    # Background publishing (asynchronous modes): see _queue_publish.
+    self._publish_in_background = (
+        bool(cfg.orchestrator.async_publish) and self.mode in BACKGROUND_PUBLISH_MODES
+    )
+    self._publish_next: tuple[int, Any] | None = None
+    self._publish_task: asyncio.Task | None = None
+    self._published_version = self.version
+    self._publish_skipped = 0
+    self._publish_background_s = 0.0
 
   # ------------------------------------------------------------------ prompts
   def _next_prompt(self) -> Prompt:
@@ -146,6 +172,13 @@ class Orchestrator:
     ids, _ = self.tokenizer.encode(p.text, is_bos=True)
     return np.asarray(ids, np.int32)
 
+  def _length_budget(self, p: Prompt) -> tuple[int, bool]:
+    """``(max_new_tokens, ignore_eos)`` for a request on ``p`` (``rollout.length_mode``)."""
+    if not self.fixed_lengths:
+      return self.max_new_tokens, False
+    n = len(self.tokenizer.encode(p.answer, is_bos=False)[0])
+    return max(1, min(n, self.max_new_tokens)), True
+
   # ----------------------------------------------------------------- rollouts
   async def _rollout_member(
       self, prompt: Prompt, member: int, version: int | None, *, interruptible: bool
@@ -155,9 +188,11 @@ class Orchestrator:
     submit = time.time()
     self.ledger.issued(prompt.sample_id, member, self.version)
     partial: Trajectory | None = None
+    budget, ignore_eos = self._length_budget(prompt)
     while True:
       result = await self.dispatcher.run(
-          prompt, tokens, member, self.max_new_tokens, version=version, resume=partial
+          prompt, tokens, member, budget, version=version, resume=partial,
+          ignore_eos=ignore_eos,
       )
       traj = to_trajectory(prompt, tokens, member, result, submit)
       if traj.finish_reason != "aborted":
@@ -209,7 +244,8 @@ class Orchestrator:
         eps=self.cfg.learner.advantage_eps,
         normalize_std=self.cfg.learner.normalize_adv_std,
     )
-    batch = make_batch(trajs, adv, self.cfg.model.max_seq_len, self.tokenizer.pad_id)
+    seq_len = bucket_length(trajs, self._seq_buckets)
+    batch = make_batch(trajs, adv, seq_len, self.tokenizer.pad_id)
     t0 = time.time()
     train_metrics = await asyncio.to_thread(self.learner.train_step, batch)
     timing.train_s = time.time() - t0
@@ -221,12 +257,64 @@ class Orchestrator:
 
     t0 = time.time()
     new_version = self.version + 1
-    await asyncio.to_thread(
-        self.publisher.publish, new_version, self.learner.params, {"step": step}
-    )
+    if self._publish_in_background:
+      # Only the copy blocks the learner: the next (donating) train step may
+      # start while Orbax writes this one.
+      snapshot = await asyncio.to_thread(_detached_copy, self.learner.params)
+      self.version = new_version
+      self._queue_publish(new_version, snapshot)
+    else:
+      await asyncio.to_thread(
+          self.publisher.publish, new_version, self.learner.params, {"step": step}
+      )
+      self.version = new_version
     timing.publish_s = time.time() - t0
-    self.version = new_version
     return self._step_record(step, trajs, train_metrics, timing)
+
+  # -------------------------------------------------------------- publishing
+  def _queue_publish(self, version: int, params: Any) -> None:
+    """Publishes ``version`` in the background, newest first.
+
+    One Orbax write is in flight at a time. Versions the learner produces
+    while one is being written are coalesced: only the newest is published
+    next (rollout servers only ever start new requests on the newest
+    version, so an intermediate snapshot nobody would load is skipped).
+    Staleness is still counted in learner versions, so a skipped publish can
+    only make data staler, never hide it from the bound.
+    """
+    if self._publish_next is not None:
+      self._publish_skipped += 1
+    self._publish_next = (version, params)
+    if self._publish_task is None or self._publish_task.done():
+      self._publish_task = self._spawn(self._publish_loop())
+
+  async def _publish_loop(self) -> None:
+    try:
+      while self._publish_next is not None:
+        version, params = self._publish_next
+        self._publish_next = None
+        t0 = time.time()
+        await asyncio.to_thread(self.publisher.publish, version, params, {"step": version})
+        self._published_version = version
+        self._publish_background_s = time.time() - t0
+        await self._on_published(version)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      self._fail(e)
+
+  async def _on_published(self, version: int) -> None:
+    """Makes servers load ``version`` (background publishing only)."""
+    if self.mode == "async_unfiltered":
+      # One version per server: load it, then interrupt in-flight rollouts
+      # so they resume on it (their prefix keeps its old-version span).
+      await self._load_then_interrupt(version)
+    else:
+      await self.dispatcher.broadcast_version(version)
+    self._kick_producer()
+
+  async def _flush_publish(self) -> None:
+    """Waits until the newest learner version is published and loaded."""
+    while self._publish_task is not None and not self._publish_task.done():
+      await asyncio.shield(self._publish_task)
 
   def _step_record(self, step, trajs, train_metrics, timing: StepTiming) -> dict[str, Any]:
     v = self.version - 1  # the version the batch was trained at
@@ -248,7 +336,12 @@ class Orchestrator:
         "generated_tokens_per_s": self._generated_tokens / max(elapsed, 1e-9),
         "learner_wait_s": timing.wait_s,
         "learner_train_s": timing.train_s,
+        # Learner-blocking publish time (only the device copy when publishing
+        # in the background); the Orbax write itself is publish_background_s.
         "publish_s": timing.publish_s,
+        "published_version": self._published_version,
+        "publish_background_s": self._publish_background_s,
+        "publish_skipped_total": self._publish_skipped,
         "step_time_s": step_total,
         # Learner idle share of the step. In sync mode this is exactly the
         # rollout share of step time (the learner waits for the whole batch).
@@ -265,9 +358,14 @@ class Orchestrator:
     return rec
 
   # --------------------------------------------------------------- telemetry
-  async def _rollout_idle_ratio(self) -> float | None:
-    """1 - busy share of the rollout servers since the previous call."""
-    ratios = []
+  async def _rollout_telemetry(self) -> dict[str, float | None]:
+    """Rollout idle share and decode passes per step since the previous call.
+
+    ``rollout_idle_ratio`` = 1 - busy share of the servers' wall time;
+    ``decode_passes_per_step`` = live versions per decode step (1.0 = no
+    multi-version overhead; each extra held-and-pinned version costs a pass).
+    """
+    ratios, steps, passes = [], 0, 0
     for c in self.dispatcher.live_clients:
       try:
         st = await c.status()
@@ -275,10 +373,15 @@ class Orchestrator:
         continue
       now = time.time()
       prev = self._last_status.get(c.name)
-      self._last_status[c.name] = (now, st.busy_time_s)
+      self._last_status[c.name] = (now, st.busy_time_s, st.decode_steps, st.decode_passes)
       if prev is not None and now > prev[0]:
         ratios.append(1.0 - min(1.0, (st.busy_time_s - prev[1]) / (now - prev[0])))
-    return float(np.mean(ratios)) if ratios else None
+        steps += st.decode_steps - prev[2]
+        passes += st.decode_passes - prev[3]
+    return {
+        "rollout_idle_ratio": float(np.mean(ratios)) if ratios else None,
+        "decode_passes_per_step": passes / steps if steps else None,
+    }
 
   async def evaluate(self) -> float | None:
     """Mean reward on held-out prompts at the newest version (one sample each)."""
@@ -286,15 +389,16 @@ class Orchestrator:
       return None
 
     async def one(p: Prompt) -> float:
+      budget, ignore_eos = self._length_budget(p)
       res = await self.dispatcher.run(
-          p, self._prompt_tokens(p), 0, self.max_new_tokens, tag="eval"
+          p, self._prompt_tokens(p), 0, budget, tag="eval", ignore_eos=ignore_eos
       )
       return float(self.score_fn(p, self.tokenizer.decode(np.asarray(res.completion_tokens).tolist())))
 
     return float(np.mean(await asyncio.gather(*(one(p) for p in self.eval_prompts))))
 
   async def _after_step(self, rec: dict[str, Any]) -> None:
-    rec["rollout_idle_ratio"] = await self._rollout_idle_ratio()
+    rec.update(await self._rollout_telemetry())
     step = rec["step"]
     every = int(self.cfg.eval.every_steps)
     if every > 0 and (step % every == 0 or step == self.cfg.total_steps):
@@ -326,7 +430,7 @@ class Orchestrator:
     self._t0 = time.time()
     await self.dispatcher.broadcast_version(self.version)
     initial_eval = await self.evaluate() if self.cfg.eval.at_start else None
-    await self._rollout_idle_ratio()  # baseline for the first delta
+    await self._rollout_telemetry()  # baseline for the first delta
     self._t0 = time.time()
     runner = {
         "sync": self._run_sync,
@@ -338,6 +442,7 @@ class Orchestrator:
     }[self.mode]
     try:
       await runner()
+      await self._flush_publish()  # the final eval and checkpoint see the last version
     finally:
       await self._shutdown()
     final_eval = await self.evaluate()
@@ -387,7 +492,8 @@ class Orchestrator:
         # Not pinned explicitly: a server frees a version no slot uses.
         next_batch = asyncio.create_task(self._generate_batch(None))
       rec = await self._train(groups, timing)
-      self._spawn(self.dispatcher.broadcast_version(self.version))
+      if not self._publish_in_background:
+        self._spawn(self.dispatcher.broadcast_version(self.version))
       await self._after_step(rec)
 
   def _spawn(self, coro) -> asyncio.Task:
@@ -399,9 +505,15 @@ class Orchestrator:
   # Streaming modes -----------------------------------------------------------
   def _capacity_samples(self) -> int:
     """Outstanding samples allowed: enough to keep slots busy, never more than
-    can be consumed before exceeding the staleness bound (AReaL's rule)."""
+    can be consumed before exceeding the staleness bound (AReaL's rule).
+
+    A request issued now starts on a version at best as new as the newest
+    *published* one, which lags the learner while a background publish is in
+    flight; that lag is already spent of the bound, so it shrinks the budget.
+    """
     batch = self.groups_per_step * self.group_size
-    return (self.max_staleness + 1) * batch
+    lag = max(0, self.version - self._published_version)
+    return max(1, self.max_staleness + 1 - lag) * batch
 
   async def _count_rollout_slots(self) -> None:
     """Decode slots (+ ``queue_depth`` per server) the producer keeps busy."""
@@ -511,12 +623,8 @@ class Orchestrator:
         rec["stale_evicted_total"] = self.ledger.count("stale")
         if self.pace is not None:
           rec["pace"] = self.pace.stats()
-        if interruptible:
-          # One version per server: load it, then interrupt in-flight rollouts
-          # so they resume on it (their prefix keeps its old-version span).
-          self._spawn(self._load_then_interrupt(self.version))
-        else:
-          self._spawn(self.dispatcher.broadcast_version(self.version))
+        if not self._publish_in_background:
+          self._spawn(self._on_published(self.version))
         self._kick_producer()
         await self._after_step(rec)
     finally:
