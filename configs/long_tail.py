@@ -38,10 +38,12 @@ def get_config():
   # 64 rows per step = the servers' 2 x 32 slots: a synchronous batch is one
   # wave whose slots idle as its short members finish.
   c.rollout.slots = 32
-  # A 127-token rollout spans several learner versions while the learner
-  # streams through short ones; a bound below that evicts (and regenerates)
-  # the tail over and over. Every mode runs with the same bound.
-  c.orchestrator.max_staleness = 8
+  # The bound must cover the learner versions the longest rollout spans while
+  # it is generated (a 127-token rollout spans ~9-10 while the learner streams
+  # through short ones); below that the tail is evicted and regenerated over
+  # and over: measured with dora, 23% of generated tokens wasted at 8, 6% at
+  # 12. Every mode runs with the same bound.
+  c.orchestrator.max_staleness = 12
   c.rollout.max_versions = 4
   c.eval.num_prompts = 512  # held-out reward is compared across modes: keep its noise low
   return c
