@@ -120,11 +120,11 @@ def base_config() -> ml_collections.ConfigDict:
           # partial_rollout: batch deadline as a fraction of the longest rollout.
           partial_rollout_fraction=0.5,
           max_server_restarts=3,
-          # async_unfiltered / dora / dora_pace: the learner
-          # only copies its params and goes on training while the Orbax write
-          # (and the servers' load) runs in the background; versions produced
-          # meanwhile are coalesced to the newest. sync / one_step_off /
-          # partial_rollout always publish before generating again.
+          # async_unfiltered / dora / dora_pace: the learner only copies its
+          # params and goes on training while the Orbax write (and the
+          # servers' load) runs in the background; versions produced meanwhile
+          # are coalesced to the newest. sync / one_step_off / partial_rollout
+          # always publish before generating again.
           async_publish=True,
       )
   )

@@ -191,62 +191,48 @@ def test_warmup_compiles_multi_version_decode_ahead_of_time():
   assert seen == [], f"{len(seen)} compile(s) after warmup"
 
 
-def test_multi_version_mixes_full_and_compacted_passes_exactly():
-  """Version 1 holds 3 of 4 slots (more than the largest gathered bucket, 2: a
-  full pass), version 2 one (a gathered single-row pass); then 2 + 1 + 1 slots
-  over three versions: tokens and log-probs match the full forward."""
+def _assert_pinned_decode_matches_full_forward(params_by_version, pinned, prompts, steps):
+  """Prefills ``prompts[slot]`` on version ``pinned[slot]``, decodes every live
+  version together (greedy) and checks each slot's tokens and log-probs
+  against its own version's full forward."""
   engine = _engine(temperature=0.0)
-  pa = engine.place_params(init_params(CFG, jax.random.PRNGKey(20)))
-  pb = engine.place_params(init_params(CFG, jax.random.PRNGKey(21)))
-  both = MultiVersionParams({1: pa, 2: pb}, (1, 2))
-  prompts = {0: _prompt("abc"), 1: _prompt("12+7="), 2: _prompt("sort 31:"), 3: _prompt("rev xyz:")}
-  pinned = {0: (1, pa), 1: (1, pa), 2: (1, pa), 3: (2, pb)}
+  ps = {v: engine.place_params(p) for v, p in params_by_version.items()}
+  mv = MultiVersionParams(ps, tuple(sorted(ps)))
   state = engine.init_decode_state()
   first = {}
-  for slot, p in prompts.items():
-    version, params = pinned[slot]
-    padded, n = engine.pad_tokens(p)
-    prefix = engine.prefill(params=params, version=version, padded_tokens=padded, true_length=n)
-    first[slot] = int(prefix.token)
-    state = engine.insert(prefix, state, slot)
-  toks = {s: [] for s in prompts}
-  lps = {s: [] for s in prompts}
-  for _ in range(6):
-    state, res = engine.generate(both, state)
-    res = res.convert_to_numpy()
-    for s in prompts:
-      toks[s].append(int(res.data[s, 0]))
-      lps[s].append(float(res.logprobs[s, 0]))
-  for slot, p in prompts.items():
-    _, params = pinned[slot]
-    seq = np.concatenate([p, [first[slot]], toks[slot]]).astype(np.int32)
-    logp = _full_logp(params, seq)
-    n = len(p) + 1
-    np.testing.assert_array_equal(toks[slot], logp[n - 1:len(seq) - 1].argmax(-1))
-    np.testing.assert_allclose(lps[slot], logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=1e-4)
-
-
-def test_three_versions_each_decode_their_gathered_rows_exactly():
-  engine = _engine(temperature=0.0)
-  ps = {v: engine.place_params(init_params(CFG, jax.random.PRNGKey(30 + v))) for v in (1, 2, 3)}
-  mv = MultiVersionParams(ps, (1, 2, 3))
-  pinned = {0: 1, 1: 3, 2: 2, 3: 1}
-  state = engine.init_decode_state()
-  first, prompts = {}, {}
   for slot, version in pinned.items():
-    prompts[slot] = _prompt(f"{slot}+{version}=")
     padded, n = engine.pad_tokens(prompts[slot])
     prefix = engine.prefill(params=ps[version], version=version, padded_tokens=padded, true_length=n)
     first[slot] = int(prefix.token)
     state = engine.insert(prefix, state, slot)
   toks = {s: [] for s in pinned}
-  for _ in range(5):
+  lps = {s: [] for s in pinned}
+  for _ in range(steps):
     state, res = engine.generate(mv, state)
     res = res.convert_to_numpy()
     for s in pinned:
       toks[s].append(int(res.data[s, 0]))
+      lps[s].append(float(res.logprobs[s, 0]))
   for slot, version in pinned.items():
     p = prompts[slot]
     seq = np.concatenate([p, [first[slot]], toks[slot]]).astype(np.int32)
     logp = _full_logp(ps[version], seq)
-    np.testing.assert_array_equal(toks[slot], logp[len(p):len(seq) - 1].argmax(-1))
+    n = len(p) + 1
+    np.testing.assert_array_equal(toks[slot], logp[n - 1:len(seq) - 1].argmax(-1))
+    np.testing.assert_allclose(lps[slot], logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=1e-4)
+
+
+def test_multi_version_mixes_full_and_compacted_passes_exactly():
+  """Version 1 holds 3 of 4 slots (more than the largest gathered bucket, 2: a
+  full pass), version 2 one (a gathered single-row pass); then 2 + 1 + 1 slots
+  over three versions: tokens and log-probs match the full forward."""
+  params = {v: init_params(CFG, jax.random.PRNGKey(19 + v)) for v in (1, 2)}
+  prompts = {0: _prompt("abc"), 1: _prompt("12+7="), 2: _prompt("sort 31:"), 3: _prompt("rev xyz:")}
+  _assert_pinned_decode_matches_full_forward(params, {0: 1, 1: 1, 2: 1, 3: 2}, prompts, steps=6)
+
+
+def test_three_versions_each_decode_their_gathered_rows_exactly():
+  params = {v: init_params(CFG, jax.random.PRNGKey(30 + v)) for v in (1, 2, 3)}
+  pinned = {0: 1, 1: 3, 2: 2, 3: 1}
+  prompts = {slot: _prompt(f"{slot}+{v}=") for slot, v in pinned.items()}
+  _assert_pinned_decode_matches_full_forward(params, pinned, prompts, steps=5)

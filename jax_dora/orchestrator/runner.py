@@ -492,8 +492,7 @@ class Orchestrator:
         # Not pinned explicitly: a server frees a version no slot uses.
         next_batch = asyncio.create_task(self._generate_batch(None))
       rec = await self._train(groups, timing)
-      if not self._publish_in_background:
-        self._spawn(self.dispatcher.broadcast_version(self.version))
+      self._spawn(self.dispatcher.broadcast_version(self.version))
       await self._after_step(rec)
 
   def _spawn(self, coro) -> asyncio.Task:
