@@ -220,6 +220,8 @@ def run_training(
   checkpointer = RunCheckpointer(paths.checkpoints, cfg.checkpoint.max_to_keep, processes=procs)
   pending: list[Prompt] = []
   resumed_step = checkpointer.latest_step() if cfg.checkpoint.resume else None
+  if not cfg.checkpoint.resume:
+    checkpointer.discard_after(0)  # a fresh run starts the directory over
   if resumed_step is not None:
     state, meta = checkpointer.restore(resumed_step, learner.state)
     learner.state = state
@@ -260,7 +262,7 @@ def run_training(
 
     progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True)
 
-  with MetricsWriter(str(paths.metrics)) as metrics:
+  with MetricsWriter(str(paths.metrics), keep_through_step=resumed_step or 0) as metrics:
     orch = Orchestrator(
         cfg,
         learner=learner,

@@ -174,6 +174,23 @@ def test_killed_run_resumes_without_losing_or_repeating_data(tmp_path):
   # so training one of them again would be a violation.
   led = IntegrityLedger.from_log(out / "trained_samples.jsonl", group_size=4, max_staleness=2)
   assert led.check() == []
+  # The metrics of the steps the killed run logged after its checkpoint were
+  # replaced by the resumed run's: one record per step.
+  assert _metric_steps(out) == list(range(1, 9))
+
+  # A fresh run in the same directory starts it over: nothing of the old run
+  # survives to be plotted, audited or resumed later.
+  fresh = subprocess.run(_train_cmd(out, 3) + ["--config.checkpoint.resume=False"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+  assert fresh.returncode == 0, fresh.stderr[-3000:]
+  assert _metric_steps(out) == [1, 2, 3]
+  trained = [r for r in read_log(out / "trained_samples.jsonl") if r["event"] == "trained"]
+  assert sorted({r["step"] for r in trained}) == [1, 2, 3]
+  assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
+
+
+def _metric_steps(out: pathlib.Path) -> list[int]:
+  return [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_dora_with_fixed_answer_lengths_and_background_publishing(tmp_path):

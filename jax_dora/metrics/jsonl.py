@@ -48,10 +48,26 @@ def to_jsonable(x: Any) -> Any:
 class MetricsWriter:
   """Appends metric records (dicts) to ``path``, one JSON object per line."""
 
-  def __init__(self, path: str | os.PathLike):
+  def __init__(self, path: str | os.PathLike, keep_through_step: int | None = None):
+    """Opens ``path`` for appending.
+
+    Args:
+      path: the JSONL file.
+      keep_through_step: for an existing file, keep only records with ``step <=
+        N`` first. A run resumed from its step-N checkpoint repeats the steps
+        a killed run had logged after N, and a fresh run (``N=0``) must not
+        inherit an earlier run's curves: either would put two records of one
+        step in the file and corrupt every plot and benchmark read from it.
+        ``None`` appends to the file as is.
+    """
     self.path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-    # Append: a resumed run continues the same file.
+    if keep_through_step is not None and os.path.exists(self.path):
+      kept = [r for r in read_jsonl(self.path) if int(r.get("step", 0)) <= keep_through_step]
+      tmp = self.path + ".tmp"
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
+      os.replace(tmp, self.path)
     self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
     self._count = 0
 

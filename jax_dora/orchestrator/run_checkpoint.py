@@ -63,6 +63,23 @@ class RunCheckpointer:
     self._manager.reload()
     return self._manager.latest_step()
 
+  def discard_after(self, step: int) -> list[int]:
+    """Deletes every checkpoint newer than ``step``; returns the steps removed.
+
+    A fresh run (``checkpoint.resume=False``) in a directory that holds an
+    earlier run calls this with 0: otherwise the earlier run's later
+    checkpoints would survive next to the new run's, and the next resume would
+    silently continue the wrong run.
+    """
+    self._manager.reload()
+    removed = sorted(s for s in self._manager.all_steps() if s > step)
+    for s in removed:
+      self._manager.delete(s)
+    if removed:
+      log.warning("discarded run checkpoints %s (newer than step %d) in %s",
+                  removed, step, self.directory)
+    return removed
+
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Saves ``step``; replaces an existing checkpoint of the same step.
 
