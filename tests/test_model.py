@@ -98,6 +98,44 @@ def test_batched_decode_with_different_positions_matches_per_row():
     positions = positions + 1
 
 
+@jax.jit
+def _deferred(params, tokens, positions, cache):
+  return MODEL.apply({"params": params}, tokens, positions, kv_cache=cache, defer_cache_write=True)
+
+
+def test_deferred_cache_write_matches_writing_decode():
+  """Decode that only reads the cache (and commits its entries afterwards,
+  for chosen rows) is the writing decode: same logits, same cache."""
+  params = _params()
+  rng = np.random.default_rng(1)
+  lens = [2, 5, 9]
+  prompts = [_prefill_padded(rng.integers(3, CFG.vocab_size, size=n).astype(np.int32), 16)
+             for n in lens]
+  pos16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (3, 16))
+  _, written = _cached(params, jnp.asarray(np.stack(prompts)), pos16, KVCache.zeros(CFG, 3))
+  deferred = written
+  tok = jnp.asarray([[4], [11], [7]], jnp.int32)
+  positions = jnp.asarray([[n] for n in lens], jnp.int32)
+  for _ in range(4):
+    want, written = _cached(params, tok, positions, written)
+    got, new = _deferred(params, tok, positions, deferred)
+    assert new.k.shape == (CFG.n_layers, 3, 1, CFG.n_heads, CFG.head_dim)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    deferred = deferred.write_step(new, positions[:, 0], jnp.ones(3, bool))
+    np.testing.assert_allclose(deferred.k, written.k, atol=1e-6)
+    np.testing.assert_allclose(deferred.v, written.v, atol=1e-6)
+    tok = jnp.argmax(want, -1).astype(jnp.int32)
+    positions = positions + 1
+  # Uncommitted rows keep their cache.
+  _, new = _deferred(params, tok, positions, deferred)
+  kept = deferred.write_step(new, positions[:, 0], jnp.asarray([True, False, False]))
+  np.testing.assert_array_equal(kept.k[:, 1:], deferred.k[:, 1:])
+  assert not np.array_equal(kept.k[:, 0], deferred.k[:, 0])
+  with pytest.raises(ValueError, match="one token per row"):
+    MODEL.apply({"params": params}, tok.repeat(2, axis=1), jnp.zeros((3, 2), jnp.int32),
+                kv_cache=deferred, defer_cache_write=True)
+
+
 def test_attention_mask_hides_padded_keys():
   params = _params()
   # Left-padded row: with the mask, the real suffix must not see the pads, so

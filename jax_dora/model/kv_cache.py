@@ -35,3 +35,20 @@ class KVCache:
   @property
   def max_seq_len(self) -> int:
     return self.k.shape[2]
+
+  def write_step(self, new: "KVCache", positions: jax.Array, rows: jax.Array) -> "KVCache":
+    """Writes one decode step's entries in place.
+
+    ``new``: ``[L,B,1,H,D]`` entries from ``Transformer(...,
+    defer_cache_write=True)``; ``positions[B]``: where each row's entry goes;
+    ``rows[B]`` bool: rows to commit (the others, and positions past the end,
+    are dropped). A scatter of ``B`` entries: with the cache donated, XLA
+    updates it in place instead of copying it.
+    """
+    b = self.k.shape[1]
+    pos = jnp.where(rows, positions, self.k.shape[2])  # out of range = dropped
+    idx = (slice(None), jnp.arange(b), pos)
+    return KVCache(
+        k=self.k.at[idx].set(new.k[:, :, 0].astype(self.k.dtype), mode="drop"),
+        v=self.v.at[idx].set(new.v[:, :, 0].astype(self.v.dtype), mode="drop"),
+    )

@@ -80,10 +80,39 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
   return jnp.einsum("bhts,bshd->bthd", probs, v.astype(jnp.float32)).astype(q.dtype)
 
 
+def _attend_cache_and_self(
+    q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array, positions: jax.Array
+) -> jax.Array:
+  """One decode token attending to its row's cache entries ``j < position``
+  and to its own (not yet written) key/value.
+
+  Same result as writing ``k, v`` at ``position`` and attending to ``j <=
+  position``, without writing: the caller commits the new entries once,
+  in place, instead of every layer producing an updated copy of the cache.
+  ``q, k, v[B,1,H,D]``, ``ck, cv[B,S,H,D]``, ``positions[B,1]``.
+  """
+  scale = q.shape[-1] ** -0.5
+  qf = q.astype(jnp.float32)
+  # Round the new entry exactly as the cache would store it.
+  kf = k.astype(ck.dtype).astype(jnp.float32)
+  vf = v.astype(cv.dtype).astype(jnp.float32)
+  cached = jnp.einsum("bthd,bshd->bhts", qf, ck.astype(jnp.float32)) * scale  # [B,H,1,S]
+  seen = jnp.arange(ck.shape[1])[None, None, :] < positions[:, :, None]  # [B,1,S]
+  cached = jnp.where(seen[:, None, :, :], cached, _MASK_VALUE)
+  own = jnp.einsum("bthd,bthd->bht", qf, kf)[..., None] * scale  # [B,H,1,1]
+  probs = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1), axis=-1)
+  ctx = jnp.einsum("bhts,bshd->bthd", probs[..., :-1], cv.astype(jnp.float32))
+  ctx = ctx + jnp.einsum("bht,bthd->bthd", probs[..., -1], vf)
+  return ctx.astype(q.dtype)
+
+
 class Attention(nn.Module):
   """Multi-head causal self-attention with optional KV-cache read/write."""
 
   cfg: ModelConfig
+  # Decode only: return the new k/v instead of an updated cache (see
+  # Transformer.__call__'s ``defer_cache_write``).
+  defer_cache_write: bool = False
 
   @nn.compact
   def __call__(
@@ -114,6 +143,10 @@ class Attention(nn.Module):
     new_cache = None
     if layer_cache is None:
       ctx = _attend(q, k, v, mask)
+    elif self.defer_cache_write:
+      ck, cv = layer_cache
+      ctx = _attend_cache_and_self(q, k, v, ck, cv, positions)
+      new_cache = (k.astype(ck.dtype), v.astype(cv.dtype))
     else:
       ck, cv = layer_cache  # [B,S,H,D]
       b_idx = jnp.arange(x.shape[0])[:, None]
@@ -168,11 +201,12 @@ class Block(nn.Module):
   """Pre-norm residual block."""
 
   cfg: ModelConfig
+  defer_cache_write: bool = False
 
   @nn.compact
   def __call__(self, x, positions, mask, layer_cache):
     dtype = self.cfg.jnp_dtype
-    h, new_cache = Attention(self.cfg, name="attn")(
+    h, new_cache = Attention(self.cfg, self.defer_cache_write, name="attn")(
         _rms_norm("attn_norm", dtype)(x), positions, mask, layer_cache
     )
     x = x + h
@@ -192,6 +226,7 @@ class Transformer(nn.Module):
       positions: jax.Array,
       kv_cache: KVCache | None = None,
       attention_mask: jax.Array | None = None,
+      defer_cache_write: bool = False,
   ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Runs the model.
 
@@ -206,10 +241,18 @@ class Transformer(nn.Module):
         ``T=1`` at per-row positions.
       attention_mask: ``[B,T]`` bool, True for real tokens; only used without
         a cache, where it hides padded *keys* (causality is by index).
+      defer_cache_write: decode (``T=1``) only. The cache is only read: each
+        token attends to its row's entries ``j < position`` plus itself, and
+        the returned ``KVCache`` holds just the new entries ``[L,B,1,H,D]``
+        for the caller to commit (``KVCache.write_step``). Writing the cache
+        inside the model produces an updated copy of the whole cache per
+        call, which dominates a decode step; committing once, in place, and
+        only for the rows the caller keeps (DORA runs one pass per policy
+        version and keeps each row's own version) costs a few entries.
 
     Returns:
-      float32 ``logits[B,T,V]``, plus the updated ``KVCache`` when one was
-      passed.
+      float32 ``logits[B,T,V]``, plus the updated ``KVCache`` (or, with
+      ``defer_cache_write``, the new entries) when a cache was passed.
     """
     cfg = self.cfg
     dtype = cfg.jnp_dtype
@@ -228,6 +271,8 @@ class Transformer(nn.Module):
         # here would silently not apply to later steps; refuse instead.
         raise ValueError("attention_mask is not supported with kv_cache (use right padding)")
       mask = None
+    if defer_cache_write and (kv_cache is None or t != 1):
+      raise ValueError("defer_cache_write needs a kv_cache and one token per row (decode)")
 
     x = nn.Embed(
         cfg.vocab_size,
@@ -243,7 +288,7 @@ class Transformer(nn.Module):
     new_k, new_v = [], []
     for i in range(cfg.n_layers):
       layer_cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-      x, nc = Block(cfg, name=f"layers_{i}")(x, positions, mask, layer_cache)
+      x, nc = Block(cfg, defer_cache_write, name=f"layers_{i}")(x, positions, mask, layer_cache)
       if nc is not None:
         new_k.append(nc[0])
         new_v.append(nc[1])

@@ -435,26 +435,69 @@ class DoraEngine(engine_api.Engine):
     return self._insert_fn(prefix, decode_state, jnp.int32(slot))
 
   # ----------------------------------------------------------------- generate
-  def _decode_version_impl(self, params, state: DecodeState, acc_cache, acc_tokens, acc_logp, version, rng):
-    """One decode pass of ``version``; commits rows pinned to it into ``acc_*``.
+  # A decode step's accumulators: the new k/v entries ``[L,B,1,H,D]``, the
+  # sampled tokens and log-probs ``[B]``, and which rows some pass owned.
+  # Passes only read ``state.cache``; the step commits every owned row's
+  # entry once, in place (``KVCache.write_step``), so a pass costs its rows'
+  # compute and never a copy of the cache.
+  def _empty_step_acc(self, state: DecodeState):
+    cfg = self.model_cfg
+    b = state.tokens.shape[0]
+    shape = (cfg.n_layers, b, 1, cfg.n_heads, cfg.head_dim)
+    new = KVCache(k=jnp.zeros(shape, state.cache.k.dtype), v=jnp.zeros(shape, state.cache.v.dtype))
+    return (new, state.tokens, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool))
 
-    Every pass reads the *original* ``state.cache``: a row's step only writes
-    its own position, so merging rows by version is exact.
+  def _decode_version_impl(self, params, state: DecodeState, acc, version, rng):
+    """One decode pass of ``version`` over every slot; keeps the rows pinned to it.
+
+    Rows of other versions run too (a full pass is cheaper than gathering
+    when ``version`` holds most slots) and are discarded.
     """
-    logits, cache = self.model.apply(
-        {"params": params}, state.tokens[:, None], state.positions[:, None], kv_cache=state.cache
+    acc_new, acc_tokens, acc_logp, owned = acc
+    logits, new = self.model.apply(
+        {"params": params}, state.tokens[:, None], state.positions[:, None],
+        kv_cache=state.cache, defer_cache_write=True,
     )
     tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p)
     mine = state.active & (state.version == version)
     sel = mine[None, :, None, None, None]
-    acc_cache = KVCache(k=jnp.where(sel, cache.k, acc_cache.k), v=jnp.where(sel, cache.v, acc_cache.v))
-    return acc_cache, jnp.where(mine, tok, acc_tokens), jnp.where(mine, logp, acc_logp)
+    acc_new = KVCache(k=jnp.where(sel, new.k, acc_new.k), v=jnp.where(sel, new.v, acc_new.v))
+    return (acc_new, jnp.where(mine, tok, acc_tokens), jnp.where(mine, logp, acc_logp),
+            owned | mine)
 
-  def _finish_step_impl(self, state: DecodeState, cache, tokens, logp, next_rng):
+  def _decode_rows_impl(self, params, state: DecodeState, acc, version, rng, size: int):
+    """Like :meth:`_decode_version_impl`, but computes only the (at most
+    ``size``) rows pinned to ``version``, gathered into a smaller batch.
+
+    Under DORA every live version's rows need their own pass; a full pass
+    over every slot per version would multiply the decode cost by the number
+    of live versions, while the rows themselves add up to one batch.
+    """
+    acc_new, acc_tokens, acc_logp, owned = acc
+    b = state.tokens.shape[0]
+    mine = state.active & (state.version == version)
+    idx = jnp.nonzero(mine, size=size, fill_value=b)[0]  # b = padding
+    rows = jnp.minimum(idx, b - 1)
+    sub_cache = KVCache(k=state.cache.k[:, rows], v=state.cache.v[:, rows])
+    logits, new = self.model.apply(
+        {"params": params}, state.tokens[rows][:, None], state.positions[rows][:, None],
+        kv_cache=sub_cache, defer_cache_write=True,
+    )
+    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p)
+    acc_new = KVCache(
+        k=acc_new.k.at[:, idx].set(new.k, mode="drop"),
+        v=acc_new.v.at[:, idx].set(new.v, mode="drop"),
+    )
+    return (acc_new, acc_tokens.at[idx].set(tok, mode="drop"),
+            acc_logp.at[idx].set(logp, mode="drop"), owned | mine)
+
+  def _finish_step_impl(self, state: DecodeState, acc, next_rng):
+    new, tokens, logp, owned = acc
     s = self.model_cfg.max_seq_len
     active = state.active
-    # Rows at the cache end stop advancing (the model drops out-of-range
-    # writes anyway); the driver ends such sequences with "length".
+    cache = state.cache.write_step(new, state.positions, owned)
+    # Rows at the cache end stop advancing (their writes are dropped); the
+    # driver ends such sequences with "length".
     positions = jnp.where(active, jnp.minimum(state.positions + 1, s), state.positions)
     lengths = jnp.where(active, state.lengths + 1, state.lengths)
     new_state = state.replace(
@@ -464,42 +507,14 @@ class DoraEngine(engine_api.Engine):
     return new_state, data, logp[:, None]
 
   def _single_version_step_impl(self, params, state: DecodeState, version):
-    """Fused decode + commit for the common one-live-version case (no copies)."""
+    """The common one-live-version case: one pass, one in-place commit."""
     rng, next_rng = jax.random.split(state.rng)
-    cache, tokens, logp = self._decode_version_impl(
-        params, state, state.cache, state.tokens, jnp.zeros(state.tokens.shape, jnp.float32),
-        version, jax.random.fold_in(rng, version),
-    )
-    return self._finish_step_impl(state, cache, tokens, logp, next_rng)
-
-  def _decode_rows_impl(
-      self, params, state: DecodeState, acc_cache, acc_tokens, acc_logp, version, rng, size: int):
-    """Like :meth:`_decode_version_impl`, but computes only the (at most
-    ``size``) rows pinned to ``version``, gathered into a smaller batch.
-
-    Under DORA every live version's rows need their own pass; a full pass
-    over every slot per version would multiply the decode cost by the number
-    of live versions, while the rows themselves add up to one batch.
-    """
-    b = state.tokens.shape[0]
-    mine = state.active & (state.version == version)
-    idx = jnp.nonzero(mine, size=size, fill_value=b)[0]  # b = padding
-    rows = jnp.minimum(idx, b - 1)
-    sub_cache = KVCache(k=state.cache.k[:, rows], v=state.cache.v[:, rows])
-    logits, sub_cache = self.model.apply(
-        {"params": params}, state.tokens[rows][:, None], state.positions[rows][:, None],
-        kv_cache=sub_cache,
-    )
-    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p)
-    acc_cache = KVCache(
-        k=acc_cache.k.at[:, idx].set(sub_cache.k, mode="drop"),
-        v=acc_cache.v.at[:, idx].set(sub_cache.v, mode="drop"),
-    )
-    return (acc_cache, acc_tokens.at[idx].set(tok, mode="drop"),
-            acc_logp.at[idx].set(logp, mode="drop"))
+    acc = self._decode_version_impl(
+        params, state, self._empty_step_acc(state), version, jax.random.fold_in(rng, version))
+    return self._finish_step_impl(state, acc, next_rng)
 
   def _multi_version_step_impl(self, params_list, state: DecodeState, versions):
-    """Every pass reads the original ``state``; rows commit their own version's pass.
+    """One pass per live version over that version's rows; one commit.
 
     Each version decodes only its own rows, gathered into the smallest of
     ``row_buckets`` that holds them (a full pass when it holds most slots);
@@ -507,21 +522,21 @@ class DoraEngine(engine_api.Engine):
     one pass over the slots rather than K.
     """
     rng, next_rng = jax.random.split(state.rng)
-    acc = (state.cache, state.tokens, jnp.zeros(state.tokens.shape, jnp.float32))
+    acc = self._empty_step_acc(state)
     sizes = self._row_buckets
     for i, params in enumerate(params_list):
       v, key = versions[i], jax.random.fold_in(rng, versions[i])
       branches = [
-          (lambda a, p=params, v=v, k=key, n=n: self._decode_rows_impl(p, state, *a, v, k, n))
+          (lambda a, p=params, v=v, k=key, n=n: self._decode_rows_impl(p, state, a, v, k, n))
           for n in sizes[:-1]
-      ] + [lambda a, p=params, v=v, k=key: self._decode_version_impl(p, state, *a, v, k)]
+      ] + [lambda a, p=params, v=v, k=key: self._decode_version_impl(p, state, a, v, k)]
       if len(branches) == 1:
         acc = branches[0](acc)
         continue
       count = jnp.sum(state.active & (state.version == v))
       which = jnp.searchsorted(jnp.asarray(sizes[:-1], jnp.int32), count)  # first size >= count
       acc = jax.lax.switch(which, branches, acc)
-    return self._finish_step_impl(state, *acc, next_rng)
+    return self._finish_step_impl(state, acc, next_rng)
 
   def generate(
       self, params: MultiVersionParams | Params, decode_state: DecodeState
