@@ -165,7 +165,7 @@ class RolloutDriver:
       elif decision is LoadDecision.PENDING:
         # Fail fast on a version that does not exist instead of leaving it
         # pending forever.
-        if version not in self.reader.versions():
+        if not self.reader.has_version(version):
           self.reader.load(version)  # raises SnapshotNotFoundError with the path
         _log.info("%s: version %d pending (all %d held versions pinned)", self.name, version,
                   self.store.max_versions)

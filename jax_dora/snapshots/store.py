@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import logging
+import threading
 import time
 from collections.abc import Collection
 from typing import Any
@@ -434,6 +435,13 @@ class SnapshotReader:
 
   def __init__(self, directory: str | epath.Path):
     self._directory = absolute_path(directory)
+    # One Orbax Checkpointer for every load (a Checkpointer, unlike a
+    # CheckpointManager, caches no step list, so it never goes stale):
+    # constructing one per load was half the cost of loading a small policy,
+    # and servers load every version the learner publishes. Loads through
+    # it are serialised.
+    self._checkpointer: ocp.Checkpointer | None = None
+    self._restore_lock = threading.Lock()
 
   @property
   def directory(self) -> epath.Path:
@@ -446,6 +454,14 @@ class SnapshotReader:
   def latest_version(self) -> int | None:
     versions = self.versions()
     return versions[-1] if versions else None
+
+  def has_version(self, version: int) -> bool:
+    """Whether ``version`` is published and finalized (one stat, no listing)."""
+    path = ocp.step.build_step_path(self._directory, _name_format(), int(version))
+    try:
+      return path.exists() and ocp.step.is_checkpoint_finalized(path)
+    except (FileNotFoundError, ValueError):
+      return False  # removed (or being removed) by the publisher's retention
 
   def wait_for_version(
       self, min_version: int, timeout_s: float, poll_s: float = 0.05
@@ -510,11 +526,10 @@ class SnapshotReader:
   def _load_version(
       self, version: int, target: PyTree | None
   ) -> tuple[PyTree, dict[str, Any]]:
-    available = self.versions()
-    if version not in available:
+    if not self.has_version(version):
       raise SnapshotNotFoundError(
           f'Snapshot version {version} not found in {self._directory}; '
-          f'available versions: {available}.'
+          f'available versions: {self.versions()}.'
       )
     path = ocp.step.build_step_path(self._directory, _name_format(), version)
     try:
@@ -539,9 +554,30 @@ class SnapshotReader:
   def _restore(
       self, path: epath.Path, target: PyTree | None
   ) -> tuple[PyTree, Any]:
-    # A fresh Checkpointer per load keeps the reader thread-safe and avoids a
-    # CheckpointManager's cached step list, which would go stale as the
-    # publisher advances.
+    with self._restore_lock:
+      if self._checkpointer is None:
+        self._checkpointer = self._make_checkpointer()
+      checkpointer = self._checkpointer
+      if target is None:
+        tree = checkpointer.metadata(path).item_metadata[_PARAMS]
+        if tree is None:
+          raise ValueError(f'No params metadata under {path}')
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+            tree.tree if hasattr(tree, 'tree') else tree,
+        )
+      restored = checkpointer.restore(
+          path,
+          args=ocp.args.Composite(**{
+              _PARAMS: ocp.args.StandardRestore(target),
+              _METADATA: ocp.args.JsonRestore(),
+          }),
+      )
+    return restored[_PARAMS], restored[_METADATA]
+
+  @staticmethod
+  def _make_checkpointer() -> ocp.Checkpointer:
     mp = this_process_only('jax_dora_snapshot_reader')
     if mp is None:
       checkpointer = ocp.Checkpointer(
@@ -563,20 +599,4 @@ class SnapshotReader:
           ),
           multiprocessing_options=mp,
       )
-    if target is None:
-      tree = checkpointer.metadata(path).item_metadata[_PARAMS]
-      if tree is None:
-        raise ValueError(f'No params metadata under {path}')
-      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-      target = jax.tree.map(
-          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-          tree.tree if hasattr(tree, 'tree') else tree,
-      )
-    restored = checkpointer.restore(
-        path,
-        args=ocp.args.Composite(**{
-            _PARAMS: ocp.args.StandardRestore(target),
-            _METADATA: ocp.args.JsonRestore(),
-        }),
-    )
-    return restored[_PARAMS], restored[_METADATA]
+    return checkpointer
