@@ -527,14 +527,19 @@ class Orchestrator:
     self._rollout_capacity = slots + depth * servers if servers else None
 
   def _may_issue(self, in_flight: int) -> bool:
-    """Admission rule for one more group (``in_flight``: samples of unfinished groups).
+    """Admission rule for one more group (``in_flight``: rollout requests not
+    yet finished; finished members of incomplete groups are in the pool).
 
     Two caps: AReaL's hard rule (in flight + everything pooled <=
     ``(max_staleness + 1) * batch``), and a working-set cap: in flight plus
     *complete* pooled groups <= one batch + the servers' slots and queues.
     Work beyond the second cap could only wait in a queue or in the pool while
     versions advance, to be evicted as stale; below it every slot stays busy
-    and the learner finds its next batch ready.
+    and the learner finds its next batch ready. Counting requests rather than
+    whole unfinished groups matters under long tails: a group whose short
+    members are done and whose long one still runs holds one slot, not
+    ``group_size`` (counted as a group, such groups starved the servers of
+    work: ~30% of their slot time idle).
     """
     g = self.group_size
     if in_flight + self.pool.num_trajectories() + g > self._capacity_samples():
@@ -638,13 +643,17 @@ class Orchestrator:
     self._produce_cond_live = cond
     await self._count_rollout_slots()
 
+    async def member_task(p: Prompt, m: int) -> Trajectory:
+      try:
+        return await self._rollout_member(p, m, None, interruptible=interruptible)
+      finally:
+        outstanding["n"] -= 1
+        self._kick_producer()
+
     async def group_task(p: Prompt):
       members: list[asyncio.Task] = []
       try:
-        members = [
-            asyncio.create_task(self._rollout_member(p, m, None, interruptible=interruptible))
-            for m in range(self.group_size)
-        ]
+        members = [asyncio.create_task(member_task(p, m)) for m in range(self.group_size)]
         for fut in asyncio.as_completed(members):
           t = await fut
           if t.finish_reason == "aborted":
@@ -658,10 +667,6 @@ class Orchestrator:
         for m in members:
           m.cancel()
         self._fail(e)
-      finally:
-        async with cond:
-          outstanding["n"] -= self.group_size
-          cond.notify_all()
 
     while not self._stop:
       async with cond:
