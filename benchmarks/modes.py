@@ -8,8 +8,9 @@ The table reports, measured in this one run:
 * trained tokens/s (completion tokens the learner consumed per second) and its
   ratio to ``sync``;
 * learner bubble ratio (share of step time the learner waited for data);
-* held-out reward at the end of the budget (512 prompts), and the mean
-  training reward of the last steps;
+* held-out reward at the end of the budget (512 prompts) with its standard
+  error (a difference between modes smaller than about twice that is noise),
+  and the mean training reward of the last steps;
 * rollout tokens wasted (generated but never trained: evicted as stale,
   rejected by PACE, or still in flight at the end);
 * integrity violations found in the trained-sample log (must be 0).
@@ -174,7 +175,7 @@ def main() -> None:
   ref = results.get("sync", {}).get("trained_tokens_per_s")
   print()
   print(f"{'mode':<18}{'steps':>6}{'tok/s':>9}{'x sync':>8}{'bubble':>8}{'wasted':>8}"
-        f"{'eval R':>8}{'train R':>8}{'violations':>11}")
+        f"{'eval R':>8}{'± se':>7}{'train R':>8}{'violations':>11}")
   for m, s in results.items():
     ratio = s["trained_tokens_per_s"] / ref if ref else float("nan")
     ev = s.get("final_eval_reward")
@@ -182,6 +183,7 @@ def main() -> None:
         f"{m:<18}{s['steps']:>6}{s['trained_tokens_per_s']:>9.1f}{ratio:>8.2f}"
         f"{s['bubble_ratio']:>8.1%}{s['wasted_share']:>8.1%}"
         f"{(ev if ev is not None else float('nan')):>8.3f}"
+        f"{(s.get('final_eval_reward_stderr') or float('nan')):>7.3f}"
         f"{s['mean_reward_last']:>8.3f}{len(s['integrity_violations']):>11}"
     )
   if "sync" in results:

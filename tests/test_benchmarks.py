@@ -3,6 +3,7 @@ ratios it prints are the claim, measured side by side in one run)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -29,6 +30,8 @@ def test_modes_benchmark_split_placement_smoke(tmp_path):
   for row in rows.values():
     assert row.split()[-1] == "0", f"integrity violations: {row}"  # last column
   assert "placement split" in proc.stdout
+  summary = json.loads((tmp_path / "dora_pace" / "summary.json").read_text())
+  assert summary["final_eval_reward_stderr"] >= 0.0  # the eval's noise is reported with it
   # The learner really talked to a separate server process over gRPC.
   log = (tmp_path / "dora_pace" / "rollout_server.log").read_text()
   assert "serving on" in log

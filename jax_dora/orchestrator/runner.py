@@ -161,6 +161,7 @@ class Orchestrator:
     self._published_version = self.version
     self._publish_skipped = 0
     self._publish_background_s = 0.0
+    self.last_eval_stderr: float | None = None
 
   # ------------------------------------------------------------------ prompts
   def _next_prompt(self) -> Prompt:
@@ -395,7 +396,11 @@ class Orchestrator:
       )
       return float(self.score_fn(p, self.tokenizer.decode(np.asarray(res.completion_tokens).tolist())))
 
-    return float(np.mean(await asyncio.gather(*(one(p) for p in self.eval_prompts))))
+    rewards = np.asarray(await asyncio.gather(*(one(p) for p in self.eval_prompts)), np.float64)
+    # Standard error of the mean: what a difference between two evals (two
+    # modes, two checkpoints) has to exceed to mean anything.
+    self.last_eval_stderr = float(rewards.std(ddof=1) / np.sqrt(len(rewards))) if len(rewards) > 1 else None
+    return float(rewards.mean())
 
   async def _after_step(self, rec: dict[str, Any]) -> None:
     rec.update(await self._rollout_telemetry())
@@ -457,6 +462,7 @@ class Orchestrator:
         "trained_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
         "initial_eval_reward": initial_eval,
         "final_eval_reward": final_eval,
+        "final_eval_reward_stderr": self.last_eval_stderr if final_eval is not None else None,
         "integrity_violations": self.ledger.check(),
     }
     if self.checkpoint_fn is not None:
