@@ -29,7 +29,8 @@ Placement (``--placement``):
   in rollout work (no tail waste), not the bubble it removes.
 
 Usage: python benchmarks/modes.py [--budget_s 60] [--modes sync,dora,...]
-                                  [--placement split|shared] [--config.x=y ...]
+                                  [--placement split|shared] [--seeds N]
+                                  [--config.x=y ...]
 """
 
 from __future__ import annotations
@@ -148,6 +149,25 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   return summary
 
 
+def _mean_over_seeds(summaries: list[dict]) -> dict:
+  """One row from a mode's runs: means; eval R's error is across seeds when
+  there are several (training noise included), else the eval's own."""
+  if len(summaries) == 1:
+    return summaries[0]
+  row = dict(summaries[0])
+  for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share", "mean_reward_last"):
+    row[key] = sum(s[key] for s in summaries) / len(summaries)
+  row["steps"] = round(row["steps"])
+  evals = [s["final_eval_reward"] for s in summaries if s.get("final_eval_reward") is not None]
+  if evals:
+    mean = sum(evals) / len(evals)
+    row["final_eval_reward"] = mean
+    var = sum((e - mean) ** 2 for e in evals) / max(len(evals) - 1, 1)
+    row["final_eval_reward_stderr"] = (var / len(evals)) ** 0.5
+  row["integrity_violations"] = [v for s in summaries for v in s["integrity_violations"]]
+  return row
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--budget_s", type=float, default=60.0, help="training wall-clock budget per mode")
@@ -156,6 +176,9 @@ def main() -> None:
                   help="split: learner and rollout on disjoint cores (default); shared: one process")
   ap.add_argument("--quick", action="store_true", help="short budget smoke run")
   ap.add_argument("--out", default="", help="directory for per-mode runs (default: temp)")
+  ap.add_argument("--seeds", type=int, default=1,
+                  help="runs per mode (config.seed 0..N-1); the table shows means and, for eval R,"
+                       " the standard error across seeds, which includes training noise")
   a, overrides = ap.parse_known_args()
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
@@ -168,10 +191,14 @@ def main() -> None:
     learner_cores, rollout_cores = split_cores()
     where += f" (learner cores {learner_cores}, rollout cores {rollout_cores})"
   print(f"workload {CONFIG} {' '.join(overrides)}; placement {where}", flush=True)
-  results = {}
-  for m in modes:
-    print(f"running {m} for {budget:.0f}s ...", flush=True)
-    results[m] = run_mode(m, base / m, budget, overrides, a.placement)
+  runs: dict[str, list[dict]] = {m: [] for m in modes}
+  for seed in range(a.seeds):
+    for m in modes:
+      tag = f" (seed {seed})" if a.seeds > 1 else ""
+      print(f"running {m}{tag} for {budget:.0f}s ...", flush=True)
+      out = base / m if a.seeds == 1 else base / f"{m}_seed{seed}"
+      runs[m].append(run_mode(m, out, budget, overrides + [f"--config.seed={seed}"], a.placement))
+  results = {m: _mean_over_seeds(r) for m, r in runs.items()}
   ref = results.get("sync", {}).get("trained_tokens_per_s")
   print()
   print(f"{'mode':<18}{'steps':>6}{'tok/s':>9}{'x sync':>8}{'bubble':>8}{'wasted':>8}"
