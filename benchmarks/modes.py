@@ -42,6 +42,7 @@ import os
 import pathlib
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -145,7 +146,6 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   generated = last.get("generated_tokens_per_s", 0.0) * last.get("wall_time_s", 0.0)
   trained = last.get("trained_tokens_per_s", 0.0) * last.get("wall_time_s", 0.0)
   summary["wasted_share"] = 1.0 - trained / generated if generated else float("nan")
-  summary["rollout_share_of_step"] = summary["bubble_ratio"]
   return summary
 
 
@@ -156,14 +156,13 @@ def _mean_over_seeds(summaries: list[dict]) -> dict:
     return summaries[0]
   row = dict(summaries[0])
   for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share", "mean_reward_last"):
-    row[key] = sum(s[key] for s in summaries) / len(summaries)
+    row[key] = statistics.mean(s[key] for s in summaries)
   row["steps"] = round(row["steps"])
   evals = [s["final_eval_reward"] for s in summaries if s.get("final_eval_reward") is not None]
   if evals:
-    mean = sum(evals) / len(evals)
-    row["final_eval_reward"] = mean
-    var = sum((e - mean) ** 2 for e in evals) / max(len(evals) - 1, 1)
-    row["final_eval_reward_stderr"] = (var / len(evals)) ** 0.5
+    row["final_eval_reward"] = statistics.mean(evals)
+    row["final_eval_reward_stderr"] = (
+        statistics.stdev(evals) / len(evals) ** 0.5 if len(evals) > 1 else None)
   row["integrity_violations"] = [v for s in summaries for v in s["integrity_violations"]]
   return row
 

@@ -63,11 +63,8 @@ class MetricsWriter:
     self.path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
     if keep_through_step is not None and os.path.exists(self.path):
-      kept = [r for r in read_jsonl(self.path) if int(r.get("step", 0)) <= keep_through_step]
-      tmp = self.path + ".tmp"
-      with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
-      os.replace(tmp, self.path)
+      rewrite_jsonl(
+          self.path, [r for r in read_jsonl(self.path) if int(r.get("step", 0)) <= keep_through_step])
     self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
     self._count = 0
 
@@ -103,6 +100,14 @@ class MetricsWriter:
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
   """Reads every metrics record; a torn last line is skipped."""
   return read_jsonl(path)
+
+
+def rewrite_jsonl(path: str | os.PathLike, records: list[dict[str, Any]]) -> None:
+  """Replaces ``path`` with ``records`` atomically (a kill leaves the old or the new file)."""
+  tmp = os.fspath(path) + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  os.replace(tmp, path)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jax_dora.metrics.jsonl import read_jsonl
+from jax_dora.metrics.jsonl import read_jsonl, rewrite_jsonl
 from jax_dora.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -103,11 +103,7 @@ class IntegrityLedger:
         history = read_log(self.path)
         if truncate_after_step is not None:
           history = self._final_before(history, int(truncate_after_step))
-          tmp = self.path + ".tmp"
-          with open(tmp, "w", encoding="utf-8") as f:
-            for r in history:
-              f.write(json.dumps(r) + "\n")
-          os.replace(tmp, self.path)
+          rewrite_jsonl(self.path, history)
       else:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
       self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with

@@ -399,7 +399,8 @@ class Orchestrator:
     rewards = np.asarray(await asyncio.gather(*(one(p) for p in self.eval_prompts)), np.float64)
     # Standard error of the mean: what a difference between two evals (two
     # modes, two checkpoints) has to exceed to mean anything.
-    self.last_eval_stderr = float(rewards.std(ddof=1) / np.sqrt(len(rewards))) if len(rewards) > 1 else None
+    self.last_eval_stderr = (
+        float(rewards.std(ddof=1) / np.sqrt(len(rewards))) if len(rewards) > 1 else None)
     return float(rewards.mean())
 
   async def _after_step(self, rec: dict[str, Any]) -> None:
@@ -462,7 +463,7 @@ class Orchestrator:
         "trained_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
         "initial_eval_reward": initial_eval,
         "final_eval_reward": final_eval,
-        "final_eval_reward_stderr": self.last_eval_stderr if final_eval is not None else None,
+        "final_eval_reward_stderr": self.last_eval_stderr,
         "integrity_violations": self.ledger.check(),
     }
     if self.checkpoint_fn is not None:

@@ -455,9 +455,12 @@ class SnapshotReader:
     versions = self.versions()
     return versions[-1] if versions else None
 
+  def _step_path(self, version: int) -> epath.Path:
+    return ocp.step.build_step_path(self._directory, _name_format(), int(version))
+
   def has_version(self, version: int) -> bool:
     """Whether ``version`` is published and finalized (one stat, no listing)."""
-    path = ocp.step.build_step_path(self._directory, _name_format(), int(version))
+    path = self._step_path(version)
     try:
       return path.exists() and ocp.step.is_checkpoint_finalized(path)
     except (FileNotFoundError, ValueError):
@@ -531,7 +534,7 @@ class SnapshotReader:
           f'Snapshot version {version} not found in {self._directory}; '
           f'available versions: {self.versions()}.'
       )
-    path = ocp.step.build_step_path(self._directory, _name_format(), version)
+    path = self._step_path(version)
     try:
       params, metadata = self._restore(path, target)
       if not isinstance(metadata, dict):
