@@ -182,7 +182,7 @@ def test_tokenizer_round_trip_padding_and_errors():
 def test_config_from_config_dict():
   d = ml_collections.ConfigDict(dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=16))
   cfg = ModelConfig.from_config_dict(d, vocab_size=TOK.vocab_size)
-  assert cfg.head_dim == 16 and cfg.vocab_size == TOK.vocab_size and cfg.rope_base == 10000.0
+  assert cfg.head_dim == 16 and cfg.vocab_size == TOK.vocab_size and cfg.rope_theta == 10000.0
   with pytest.raises(ValueError):
     ModelConfig.from_config_dict(d)
 

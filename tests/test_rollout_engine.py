@@ -29,11 +29,17 @@ def _prompt(text: str) -> np.ndarray:
   return TOK.encode(text, is_bos=True)[0]
 
 
-def _full_logp(params, seq: np.ndarray) -> np.ndarray:
-  """log_softmax of the full (cache-free) forward, ``[T, V]``."""
+# The character tokenizer's PAD and BOS are never sampled: the oracle drops
+# them from the distribution by hand.
+_NEVER_SAMPLED = [0, 1]
+
+
+def _full_logp(params, seq: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+  """log_softmax of the full (cache-free) forward without PAD/BOS, ``[T, V]``."""
   seq = jnp.asarray(seq, jnp.int32)[None]
   logits = Transformer(CFG).apply({"params": params}, seq, jnp.arange(seq.shape[1])[None])
-  return np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+  logits = (logits[0] / temperature).at[:, _NEVER_SAMPLED].set(-jnp.inf)
+  return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 
 
 def _run(engine, params, prompts, insert_at, steps):
@@ -92,9 +98,7 @@ def test_sampled_logprobs_match_full_forward_at_temperature():
   for i, p in enumerate(prompts):
     toks, lps = out[i]
     seq = np.concatenate([p, np.asarray(toks, np.int32)])
-    logits = Transformer(CFG).apply(
-        {"params": params}, jnp.asarray(seq)[None], jnp.arange(len(seq))[None])[0]
-    logp = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
+    logp = _full_logp(params, seq, temperature)
     n = len(p)
     ref = logp[np.arange(n - 1, len(seq) - 1), seq[n:]]
     np.testing.assert_allclose(np.asarray(lps), ref, atol=1e-4)

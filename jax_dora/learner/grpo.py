@@ -52,13 +52,19 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     kl_coef: float = 0.0,
     ref_logprobs: jax.Array | None = None,
+    normalizer: jax.Array | float | None = None,
 ) -> LossOutput:
   """Clipped surrogate on ``[B, T]`` token arrays; ``advantages`` is ``[B]``.
 
   ratio = exp(logprobs - behaviour_logprobs); per token
-  ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``, averaged over
-  the tokens where ``mask`` is 1. With ``kl_coef > 0`` adds the k3 estimator
-  of KL(pi || pi_ref) per token.
+  ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``, summed over
+  the tokens where ``mask`` is 1 and divided by ``normalizer`` (default: the
+  number of such tokens, i.e. a token mean). With ``kl_coef > 0`` adds the k3
+  estimator of KL(pi || pi_ref) per token.
+
+  A micro-batched step passes the *whole* batch's token count as
+  ``normalizer``: loss and metrics of its micro-batches then add up to
+  exactly the full batch's token mean.
   """
   eps_high = clip_eps if clip_eps_high is None else clip_eps_high
   mask = mask.astype(jnp.float32)
@@ -68,7 +74,7 @@ def grpo_loss(
   unclipped = ratio * adv
   clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high) * adv
   per_token = -jnp.minimum(unclipped, clipped)
-  n_tokens = jnp.maximum(mask.sum(), 1.0)
+  n_tokens = jnp.maximum(mask.sum(), 1.0) if normalizer is None else normalizer
   if kl_coef > 0.0:
     if ref_logprobs is None:
       raise ValueError("kl_coef > 0 needs ref_logprobs")

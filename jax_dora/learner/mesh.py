@@ -23,6 +23,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),
     ("kv", None),
     ("length", None),
     ("norm", None),

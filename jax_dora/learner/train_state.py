@@ -9,8 +9,7 @@ materialised unsharded on one device.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax
@@ -24,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_dora.learner.grpo import grpo_loss
 from jax_dora.learner.mesh import LOGICAL_AXIS_RULES
-from jax_dora.model import ModelConfig, Transformer, token_logprobs
+from jax_dora.model import ModelConfig, Transformer, chunked_token_logprobs, head_weight
 
 
 @flax.struct.dataclass
@@ -53,7 +52,29 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
 
 
 class Learner:
-  """Owns the sharded train state on ``mesh`` and runs GRPO updates."""
+  """Owns the sharded train state on ``mesh`` and runs GRPO updates.
+
+  Memory: log-probs come from the hidden states in chunks of
+  ``learner.logprob_chunk_size`` positions (never the full ``[B, T, V]``
+  logits), the batch can be split into ``learner.micro_batch_size`` rows with
+  gradients accumulated in a ``lax.scan``, and ``learner.remat`` chooses
+  what each block keeps for the backward pass. Optimizer moments (Adam's mu
+  and nu) take the dtype of the params they belong to: ``model.param_dtype``.
+
+  Args:
+    model_cfg: The policy's architecture.
+    learner_cfg: The run config's ``learner`` block.
+    mesh: The learner mesh.
+    temperature: Sampling temperature of the rollout (log-probs must be of
+      the same distribution).
+    seed: Random init seed (native models).
+    suppress_mask: ``[vocab]`` ids the sampler never produces
+      (``jax_dora.model.suppress_mask``); masked here too so on-policy ratios
+      are exactly 1.
+    load_params: ``shardings -> params``: initial params placed directly on
+      the learner's param shardings (an imported checkpoint); default random
+      init.
+  """
 
   def __init__(
       self,
@@ -63,12 +84,17 @@ class Learner:
       *,
       temperature: float = 1.0,
       seed: int = 0,
+      suppress_mask: np.ndarray | None = None,
+      load_params: Callable[[Any], Any] | None = None,
   ):
     self.model_cfg = model_cfg
     self.cfg = learner_cfg
     self.mesh = mesh
     self.temperature = float(temperature)
-    self.model = Transformer(model_cfg)
+    self.suppress_mask = suppress_mask
+    self.logprob_chunk = int(learner_cfg.get("logprob_chunk_size", 0))
+    self.micro_batch = int(learner_cfg.get("micro_batch_size", 0))
+    self.model = Transformer(model_cfg, remat=str(learner_cfg.get("remat", "none")))
     self.tx = make_optimizer(learner_cfg)
     self.use_ref = learner_cfg.kl_coef > 0.0
 
@@ -77,12 +103,17 @@ class Learner:
     specs = nn.get_partition_spec(abstract)
     with nn.logical_axis_rules(LOGICAL_AXIS_RULES):
       self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
-    self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    self.batch_axes = ("data", "fsdp")
+    self.batch_sharding = NamedSharding(mesh, P(self.batch_axes))
     self.replicated = NamedSharding(mesh, P())
-    init = jax.jit(
-        lambda r: nn.meta.unbox(self._init_boxed_state(r)), out_shardings=self.state_sharding
-    )
-    self.state: TrainState = init(rng)
+    if load_params is None:
+      init = jax.jit(
+          lambda r: nn.meta.unbox(self._init_boxed_state(r)), out_shardings=self.state_sharding
+      )
+      self.state: TrainState = init(rng)
+    else:
+      params = load_params(self.state_sharding.params)
+      self.state = jax.jit(self._state_from_params, out_shardings=self.state_sharding)(params)
     self._step_fn = jax.jit(
         self._train_step,
         in_shardings=(self.state_sharding, self.batch_sharding),
@@ -92,10 +123,9 @@ class Learner:
 
   # -- construction ---------------------------------------------------------
   def _init_boxed_state(self, rng: jax.Array) -> TrainState:
-    s = self.model_cfg.max_seq_len
-    tokens = jnp.zeros((1, s), jnp.int32)
-    positions = jnp.arange(s, dtype=jnp.int32)[None]
-    params = self.model.init(rng, tokens, positions)["params"]
+    # Param shapes do not depend on T: a length-1 dummy keeps init cheap.
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    params = self.model.init(rng, tokens, tokens)["params"]
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -103,14 +133,31 @@ class Learner:
         ref_params=params if self.use_ref else None,
     )
 
+  def _state_from_params(self, params: Any) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=self.tx.init(params),
+        # A distinct buffer: the train step donates ``params``.
+        ref_params=jax.tree.map(jnp.copy, params) if self.use_ref else None,
+    )
+
   # -- training -------------------------------------------------------------
-  def _loss(self, params, batch, ref_params):
-    logits = self.model.apply({"params": params}, batch["inputs"], batch["positions"])
-    logp = token_logprobs(logits / self.temperature, batch["targets"])
+  def _token_logprobs(self, params, batch) -> jax.Array:
+    hidden = self.model.apply(
+        {"params": params}, batch["inputs"], batch["positions"], return_hidden=True)
+    return chunked_token_logprobs(
+        hidden, head_weight(self.model_cfg, params), batch["targets"],
+        temperature=self.temperature, mask=self.suppress_mask, chunk=self.logprob_chunk)
+
+  def _loss(self, params, batch, ref_params, n_tokens):
+    live = batch["mask"] > 0
+    # Padded targets may be suppressed ids (-1e30): keep them out of exp().
+    logp = jnp.where(live, self._token_logprobs(params, batch), 0.0)
     ref_logp = None
     if ref_params is not None:
-      ref_logits = self.model.apply({"params": ref_params}, batch["inputs"], batch["positions"])
-      ref_logp = jax.lax.stop_gradient(token_logprobs(ref_logits / self.temperature, batch["targets"]))
+      ref_logp = jax.lax.stop_gradient(
+          jnp.where(live, self._token_logprobs(ref_params, batch), 0.0))
     out = grpo_loss(
         logp,
         batch["behaviour_logprobs"],
@@ -120,13 +167,46 @@ class Learner:
         clip_eps_high=self.cfg.clip_eps_high,
         kl_coef=self.cfg.kl_coef,
         ref_logprobs=ref_logp,
+        normalizer=n_tokens,
     )
     return out.loss, out.metrics
 
+  def _micro_batches(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
+    """``[k, micro, ...]`` micro-batches, or None when the batch is one.
+
+    Row ``j * k + i`` goes to micro-batch ``i``: with the batch sharded in
+    contiguous blocks over (data, fsdp), every micro-batch then spans every
+    device instead of living on a few of them.
+    """
+    rows = batch["advantages"].shape[0]
+    micro = self.micro_batch
+    if micro <= 0 or micro >= rows:
+      return None
+    if rows % micro:
+      raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={micro}")
+    k = rows // micro
+    split = jax.tree.map(lambda x: x.reshape((micro, k) + x.shape[1:]).swapaxes(0, 1), batch)
+    return jax.lax.with_sharding_constraint(
+        split, NamedSharding(self.mesh, P(None, self.batch_axes)))
+
   def _train_step(self, state: TrainState, batch: dict[str, jax.Array]):
-    (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
-        state.params, batch, state.ref_params
-    )
+    n_tokens = jnp.maximum(batch["mask"].sum(), 1.0)
+    grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+    micro = self._micro_batches(batch)
+    if micro is None:
+      (loss, metrics), grads = grad_fn(state.params, batch, state.ref_params, n_tokens)
+    else:
+      def accumulate(carry, mb):
+        (l, m), g = grad_fn(state.params, mb, state.ref_params, n_tokens)
+        return jax.tree.map(jnp.add, carry, (l, m, g)), None
+
+      first = jax.tree.map(lambda x: x[0], micro)
+      (l0, m0), g0 = jax.eval_shape(grad_fn, state.params, first, state.ref_params, n_tokens)
+      zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (l0, m0, g0))
+      # Accumulate gradients in the params' layout, not wherever GSPMD would guess.
+      zeros = (zeros[0], zeros[1],
+               jax.lax.with_sharding_constraint(zeros[2], self.state_sharding.params))
+      (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, micro)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))

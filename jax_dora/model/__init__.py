@@ -1,7 +1,8 @@
 """jax_dora.model: config, tokenizer, KV cache and the Linen transformer.
 
 Logical parameter axis names (for ``nn.logical_to_mesh_sharding``):
-``"vocab"``, ``"embed"``, ``"heads"``, ``"kv"``, ``"mlp"``, ``"norm"``; see
+``"vocab"``, ``"embed"``, ``"heads"``, ``"kv_heads"``, ``"kv"``, ``"mlp"``,
+``"norm"``; see
 ``jax_dora.model.transformer`` for the per-parameter layout.
 """
 
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.kv_cache import KVCache
 from jax_dora.model.tokenizer import CharTokenizer
-from jax_dora.model.transformer import Transformer, apply_rope, token_logprobs
+from jax_dora.model.logits import chunked_token_logprobs, suppress_mask, token_logprobs
+from jax_dora.model.rope import apply_rope
+from jax_dora.model.transformer import Transformer, head_weight
 
 __all__ = [
     "ModelConfig",
@@ -24,8 +27,11 @@ __all__ = [
     "KVCache",
     "Transformer",
     "apply_rope",
+    "chunked_token_logprobs",
+    "head_weight",
     "init_params",
     "param_logical_specs",
+    "suppress_mask",
     "token_logprobs",
 ]
 

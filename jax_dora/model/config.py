@@ -1,7 +1,10 @@
-"""Model hyper-parameters.
+"""Model hyper-parameters, for the tiny native model and for imported HF families.
 
-``ModelConfig`` is frozen and hashable so it can be closed over by jitted
-functions and used as a static argument without retracing surprises.
+One frozen, hashable ``ModelConfig`` describes every decoder we run: the
+tiny character model of the CI path and the Llama 3 / Qwen2.5 / Qwen3
+checkpoints imported from Hugging Face (``jax_dora.model.families`` maps a
+``config.json`` onto it). It is closed over by jitted functions and used as a
+static argument, so it must stay immutable.
 """
 
 from __future__ import annotations
@@ -12,20 +15,41 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
+ROPE_SCALINGS = ("", "llama3")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shape of the decoder-only transformer.
+  """Shape and numerics of the decoder-only transformer.
 
   Attributes:
-    vocab_size: Number of token ids (normally ``CharTokenizer().vocab_size``).
-    d_model: Residual stream width.
-    n_layers: Number of transformer blocks.
-    n_heads: Number of attention heads; must divide ``d_model``.
-    d_ff: Hidden width of the SwiGLU MLP.
+    vocab_size: Rows of the embedding (HF checkpoints often pad it past the
+      tokenizer's length; the extra ids are never sampled).
+    d_model: Residual stream width (HF ``hidden_size``).
+    n_layers: Transformer blocks.
+    n_heads: Query heads.
+    d_ff: Hidden width of the SwiGLU MLP (HF ``intermediate_size``).
     max_seq_len: Longest sequence (prompt + completion); sizes the KV cache.
-    rope_base: RoPE frequency base.
-    dtype: Activation / KV-cache dtype name (params are always float32).
+      A run-level choice, not the checkpoint's ``max_position_embeddings``.
+    n_kv_heads: Key/value heads (grouped-query attention); 0 = ``n_heads``.
+      The KV cache holds ``n_kv_heads`` heads, not ``n_heads``.
+    head_dim: Per-head width; 0 = ``d_model // n_heads``. Qwen3 sets it
+      independently of ``d_model``.
+    rope_theta: RoPE frequency base.
+    rope_scaling: ``""`` (plain RoPE) or ``"llama3"`` (Llama 3.1+ frequency
+      scaling, parameters below).
+    rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor,
+    rope_original_max_len: Llama-3 RoPE scaling parameters (HF
+      ``rope_scaling`` dict).
+    norm_eps: RMSNorm epsilon.
+    qkv_bias: Biases on the q/k/v projections (Qwen2).
+    out_bias: Bias on the attention output projection (Llama with
+      ``attention_bias``).
+    qk_norm: RMSNorm over ``head_dim`` on queries and keys before RoPE (Qwen3).
+    tie_embeddings: The LM head is the transposed embedding.
+    param_dtype: Dtype parameters are stored (and optimised) in.
+    dtype: Activation and KV-cache dtype. Attention softmax, logits,
+      log-probs and the loss are always float32.
   """
 
   vocab_size: int
@@ -34,26 +58,65 @@ class ModelConfig:
   n_heads: int = 4
   d_ff: int = 256
   max_seq_len: int = 128
-  rope_base: float = 10000.0
+  n_kv_heads: int = 0
+  head_dim: int = 0
+  rope_theta: float = 10000.0
+  rope_scaling: str = ""
+  rope_scaling_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  out_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  param_dtype: str = "float32"
   dtype: str = "float32"
 
   def __post_init__(self):
+    # Resolve the "0 = derived" defaults once, so every reader sees numbers.
+    if self.n_kv_heads == 0:
+      object.__setattr__(self, "n_kv_heads", self.n_heads)
+    if self.head_dim == 0:
+      if self.n_heads <= 0 or self.d_model % self.n_heads:
+        raise ValueError(
+            f"d_model={self.d_model} not divisible by n_heads={self.n_heads}; set head_dim")
+      object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
     # Fail at construction rather than deep inside a traced reshape.
-    if self.vocab_size <= 0:
-      raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
-    if self.d_model % self.n_heads:
-      raise ValueError(f"d_model={self.d_model} not divisible by n_heads={self.n_heads}")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len",
+                 "n_kv_heads", "head_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-    jnp.dtype(self.dtype)  # Raises TypeError on an unknown dtype name.
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+    if self.rope_scaling not in ROPE_SCALINGS:
+      raise ValueError(f"rope_scaling={self.rope_scaling!r} is not one of {ROPE_SCALINGS}")
+    for name in ("param_dtype", "dtype"):
+      try:
+        jnp.dtype(getattr(self, name))
+      except TypeError:
+        raise ValueError(f"model.{name}={getattr(self, name)!r} is not a dtype name") from None
 
   @property
   def jnp_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.param_dtype)
+
+  @property
+  def kv_groups(self) -> int:
+    """Query heads per key/value head."""
+    return self.n_heads // self.n_kv_heads
+
+  @classmethod
+  def field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
   @classmethod
   def from_config_dict(
@@ -61,17 +124,23 @@ class ModelConfig:
   ) -> "ModelConfig":
     """Builds a config from the ``c.model`` block of the run config.
 
-    The run config does not know the vocabulary (it is a property of the
-    tokenizer), so ``vocab_size`` is normally passed as a keyword; an explicit
-    keyword wins over a value in the dict.
+    Keys that are not architecture (``hf_path``) are ignored; ``None``
+    values (placeholders of HF recipes) fall back to the dataclass default.
+    The run config does not know the vocabulary of the native model (it is a
+    property of the tokenizer), so ``vocab_size`` is normally passed as a
+    keyword; an explicit keyword wins over a value in the dict.
     """
     d = dict(cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg)
+    d.pop("hf_path", None)
+    d = {k: v for k, v in d.items() if v is not None}
     if vocab_size is not None:
       d["vocab_size"] = vocab_size
     if "vocab_size" not in d:
       raise ValueError("vocab_size missing: pass it as a keyword (tokenizer.vocab_size)")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
+    unknown = set(d) - cls.field_names()
     if unknown:
       raise ValueError(f"unknown model config keys: {sorted(unknown)}")
     return cls(**d)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)

@@ -11,7 +11,7 @@ from jax_dora.model.config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-  """Keys and values, ``[n_layers, batch, max_seq_len, n_heads, head_dim]``.
+  """Keys and values, ``[n_layers, batch, max_seq_len, n_kv_heads, head_dim]``.
 
   Entries are indexed by *absolute* token position, so rows of one batch can
   sit at different positions (continuous batching) and a slot can be reused by
@@ -25,7 +25,7 @@ class KVCache:
   @classmethod
   def zeros(cls, cfg: ModelConfig, batch: int, dtype: jnp.dtype | str | None = None) -> "KVCache":
     dtype = jnp.dtype(dtype if dtype is not None else cfg.dtype)
-    shape = (cfg.n_layers, batch, cfg.max_seq_len, cfg.n_heads, cfg.head_dim)
+    shape = (cfg.n_layers, batch, cfg.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
   @property
@@ -39,7 +39,7 @@ class KVCache:
   def write_step(self, new: "KVCache", positions: jax.Array, rows: jax.Array) -> "KVCache":
     """Writes one decode step's entries in place.
 
-    ``new``: ``[L,B,1,H,D]`` entries from ``Transformer(...,
+    ``new``: ``[L,B,1,Hkv,D]`` entries from ``Transformer(...,
     defer_cache_write=True)``; ``positions[B]``: where each row's entry goes;
     ``rows[B]`` bool: rows to commit (the others, and positions past the end,
     are dropped). A scatter of ``B`` entries: with the cache donated, XLA

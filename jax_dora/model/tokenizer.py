@@ -1,4 +1,11 @@
-"""A fixed character-level tokenizer.
+"""The tokenizer contract of jax-dora, and the fixed character-level tokenizer.
+
+Every tokenizer is a JetStream ``tokenizer_api.Tokenizer`` plus what RL
+needs on top: how a *prompt* becomes ids (BOS, chat template), which ids stop
+a completion (``stop_tokens``) and which ids must never be sampled
+(``suppressed_ids``: padding, BOS, special tokens that are not stop tokens).
+``CharTokenizer`` is the native tiny model's; ``jax_dora.model.hf_tokenizer``
+wraps a Hugging Face tokenizer behind the same contract.
 
 Character vocabularies keep the toy tasks (arithmetic, sorting, ...) exactly
 representable, need no downloads, and make every rollout server and the
@@ -7,6 +14,7 @@ learner agree on ids by construction.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,7 +30,29 @@ NUM_SPECIAL = 3
 CHARSET = "0123456789" "abcdefghijklmnopqrstuvwxyz" " +-*=,:;()[]<>?!."
 
 
-class CharTokenizer(tokenizer_api.Tokenizer):
+class PolicyTokenizer(tokenizer_api.Tokenizer):
+  """JetStream's ``Tokenizer`` plus the prompt / stop / suppression rules RL needs."""
+
+  @property
+  @abc.abstractmethod
+  def vocab_size(self) -> int:
+    """Ids the tokenizer can produce (a model's embedding may have more rows)."""
+
+  @abc.abstractmethod
+  def encode_prompt(self, text: str) -> np.ndarray:
+    """int32 ids of ``text`` as the policy sees it as a prompt (BOS, chat template)."""
+
+  @abc.abstractmethod
+  def suppressed_ids(self, model_vocab_size: int) -> set[int]:
+    """Ids of a ``model_vocab_size`` head that sampling must never produce."""
+
+  @property
+  def stop_tokens(self) -> set[int]:
+    """Ids that end a completion (JetStream's default adds PAD; we never sample it)."""
+    return {self.eos_id}
+
+
+class CharTokenizer(PolicyTokenizer):
   """Maps each character of ``CHARSET`` to one id after PAD/BOS/EOS."""
 
   def __init__(self, charset: str = CHARSET):
@@ -90,6 +120,14 @@ class CharTokenizer(tokenizer_api.Tokenizer):
         )
       ids = np.pad(ids, (0, max_prefill_length - true_length), constant_values=PAD_ID)
     return ids, true_length
+
+  def encode_prompt(self, text: str) -> np.ndarray:
+    """``[BOS] + chars``: the prompt format the tiny model is trained on."""
+    return self.encode(text, is_bos=True)[0]
+
+  def suppressed_ids(self, model_vocab_size: int) -> set[int]:
+    """PAD, BOS and any head rows past the charset: only characters and EOS are sampled."""
+    return {PAD_ID, BOS_ID} | set(range(self.vocab_size, int(model_vocab_size)))
 
   def decode(self, token_ids: Iterable[int] | np.ndarray, **kwargs) -> str:
     """Decodes until the first EOS, skipping PAD and BOS."""

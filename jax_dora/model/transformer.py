@@ -1,11 +1,12 @@
 """Decoder-only transformer (Flax Linen) used by both learner and rollout.
 
-Architecture: token embedding -> ``n_layers`` x [RMSNorm -> causal MHA with
-RoPE -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head.
-The LM head is *untied* from the embedding: the vocabulary is tiny, so the
-extra ``d_model * vocab`` params cost nothing, and a separately (small-)
-initialised head starts the policy near uniform, which keeps early GRPO
-log-prob ratios well behaved.
+One module covers the tiny native model and the Llama 3 (3.1/3.2), Qwen2.5
+and Qwen3 families; ``ModelConfig`` switches the differences:
+
+  embedding -> ``n_layers`` x [RMSNorm -> causal GQA attention (optional
+  q/k/v bias, optional per-head q/k RMSNorm, RoPE with optional Llama-3
+  scaling) -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm ->
+  LM head (untied, or the transposed embedding).
 
 Parameters are created through ``nn.with_logical_partitioning`` so the learner
 can lay them out with ``nn.logical_to_mesh_sharding`` and
@@ -13,21 +14,23 @@ can lay them out with ``nn.logical_to_mesh_sharding`` and
 
   * ``"vocab"``: vocabulary dim (embedding rows, LM-head columns).
   * ``"embed"``: model / residual width ``d_model``.
-  * ``"heads"``: attention heads.
+  * ``"heads"``: query heads.
+  * ``"kv_heads"``: key/value heads (``n_kv_heads``).
   * ``"kv"``:    per-head dim ``head_dim``.
   * ``"mlp"``:   MLP hidden width ``d_ff``.
   * ``"norm"``:  RMSNorm scale vectors.
 
 Parameter shapes (per layer ``layers_i``):
-  ``embed/embedding [vocab, embed]``, ``attn/{query,key,value}/kernel
-  [embed, heads, kv]``, ``attn/out/kernel [heads, kv, embed]``,
+  ``embed/embedding [vocab, embed]``, ``attn/query/kernel [embed, heads, kv]``,
+  ``attn/{key,value}/kernel [embed, kv_heads, kv]`` (+ ``bias [.., kv]`` with
+  ``qkv_bias``), ``attn/out/kernel [heads, kv, embed]``,
+  ``attn/{query,key}_norm/scale [kv]`` (``qk_norm``),
   ``mlp/{wi_0,wi_1}/kernel [embed, mlp]``, ``mlp/wo/kernel [mlp, embed]``,
-  ``*_norm/scale [norm]``, ``lm_head/kernel [embed, vocab]``.
-No biases: none of the layers benefit at this scale, and fewer leaves means
-fewer shardings to reason about.
+  ``*_norm/scale [norm]``, ``lm_head/kernel [embed, vocab]`` (untied only).
+``jax_dora.model.families`` maps these to and from Hugging Face names.
 
-Params are float32; activations and the KV cache use ``cfg.dtype``; attention
-softmax and logits are computed in float32.
+Params use ``cfg.param_dtype``; activations and the KV cache ``cfg.dtype``;
+attention softmax and logits are float32.
 """
 
 from __future__ import annotations
@@ -38,46 +41,48 @@ import jax.numpy as jnp
 
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.kv_cache import KVCache
+from jax_dora.model.rope import apply_rope
 
 # Finite "minus infinity": a fully masked row (e.g. a padded query) then gives
 # a uniform softmax instead of NaNs that would poison gradients.
 _MASK_VALUE = -1e30
 
+# learner.remat -> what a rematerialised block may keep for the backward pass.
+REMAT_POLICIES = {
+    "none": None,  # no remat at all
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
-def _rms_norm(name: str, dtype: jnp.dtype) -> nn.RMSNorm:
+
+def _rms_norm(cfg: ModelConfig, name: str, axis_name: str = "norm") -> nn.RMSNorm:
   return nn.RMSNorm(
-      epsilon=1e-6,
-      dtype=dtype,
-      param_dtype=jnp.float32,
-      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+      epsilon=cfg.norm_eps,
+      dtype=cfg.jnp_dtype,
+      param_dtype=cfg.jnp_param_dtype,
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones, (axis_name,)),
       name=name,
   )
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-  """Rotary embedding on ``x[B,T,H,D]`` at absolute ``positions[B,T]``.
-
-  Uses the half-split (GPT-NeoX / MaxText) layout. Computed in float32 so that
-  a cached key and a freshly computed one at the same position are identical.
-  """
-  d = x.shape[-1]
-  freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)  # [D/2]
-  angle = positions.astype(jnp.float32)[..., None] * freq  # [B,T,D/2]
-  sin = jnp.sin(angle)[:, :, None, :]
-  cos = jnp.cos(angle)[:, :, None, :]
-  xf = x.astype(jnp.float32)
-  x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+def _group(q: jax.Array, n_kv: int) -> jax.Array:
+  """``[B,T,H,D]`` queries -> ``[B,T,Hkv,G,D]``: query head ``h`` reads kv head ``h // G``
+  (Hugging Face's ``repeat_kv`` order)."""
+  b, t, h, d = q.shape
+  return q.reshape(b, t, n_kv, h // n_kv, d)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Softmax attention. ``q[B,T,H,D]``, ``k,v[B,S,H,D]``, ``mask[B,T,S]``."""
-  scale = q.shape[-1] ** -0.5
-  scores = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-  scores = jnp.where(mask[:, None, :, :], scores, _MASK_VALUE)
+  """Softmax attention. ``q[B,T,H,D]``, ``k,v[B,S,Hkv,D]``, ``mask[B,T,S]``."""
+  b, t, h, d = q.shape
+  scale = d ** -0.5
+  qg = _group(q.astype(jnp.float32), k.shape[2])
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1)
-  return jnp.einsum("bhts,bshd->bthd", probs, v.astype(jnp.float32)).astype(q.dtype)
+  ctx = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+  return ctx.reshape(b, t, h, d).astype(q.dtype)
 
 
 def _attend_cache_and_self(
@@ -89,25 +94,26 @@ def _attend_cache_and_self(
   Same result as writing ``k, v`` at ``position`` and attending to ``j <=
   position``, without writing: the caller commits the new entries once,
   in place, instead of every layer producing an updated copy of the cache.
-  ``q, k, v[B,1,H,D]``, ``ck, cv[B,S,H,D]``, ``positions[B,1]``.
+  ``q[B,1,H,D]``, ``k, v[B,1,Hkv,D]``, ``ck, cv[B,S,Hkv,D]``, ``positions[B,1]``.
   """
-  scale = q.shape[-1] ** -0.5
-  qf = q.astype(jnp.float32)
+  b, t, h, d = q.shape
+  scale = d ** -0.5
+  qg = _group(q.astype(jnp.float32), ck.shape[2])  # [B,1,Hkv,G,D]
   # Round the new entry exactly as the cache would store it.
   kf = k.astype(ck.dtype).astype(jnp.float32)
   vf = v.astype(cv.dtype).astype(jnp.float32)
-  cached = jnp.einsum("bthd,bshd->bhts", qf, ck.astype(jnp.float32)) * scale  # [B,H,1,S]
+  cached = jnp.einsum("btkgd,bskd->bkgts", qg, ck.astype(jnp.float32)) * scale  # [B,Hkv,G,1,S]
   seen = jnp.arange(ck.shape[1])[None, None, :] < positions[:, :, None]  # [B,1,S]
-  cached = jnp.where(seen[:, None, :, :], cached, _MASK_VALUE)
-  own = jnp.einsum("bthd,bthd->bht", qf, kf)[..., None] * scale  # [B,H,1,1]
+  cached = jnp.where(seen[:, None, None, :, :], cached, _MASK_VALUE)
+  own = jnp.einsum("btkgd,btkd->bkgt", qg, kf)[..., None] * scale  # [B,Hkv,G,1,1]
   probs = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1), axis=-1)
-  ctx = jnp.einsum("bhts,bshd->bthd", probs[..., :-1], cv.astype(jnp.float32))
-  ctx = ctx + jnp.einsum("bht,bthd->bthd", probs[..., -1], vf)
-  return ctx.astype(q.dtype)
+  ctx = jnp.einsum("bkgts,bskd->btkgd", probs[..., :-1], cv.astype(jnp.float32))
+  ctx = ctx + jnp.einsum("bkgt,btkd->btkgd", probs[..., -1], vf)
+  return ctx.reshape(b, t, h, d).astype(q.dtype)
 
 
 class Attention(nn.Module):
-  """Multi-head causal self-attention with optional KV-cache read/write."""
+  """Grouped-query causal self-attention with optional KV-cache read/write."""
 
   cfg: ModelConfig
   # Decode only: return the new k/v instead of an updated cache (see
@@ -126,19 +132,25 @@ class Attention(nn.Module):
     dtype = cfg.jnp_dtype
     init = nn.initializers.lecun_normal()
 
-    def proj(name: str) -> jax.Array:
+    def proj(name: str, heads: int, heads_axis: str) -> jax.Array:
       return nn.DenseGeneral(
-          features=(cfg.n_heads, cfg.head_dim),
-          use_bias=False,
+          features=(heads, cfg.head_dim),
+          use_bias=cfg.qkv_bias,
           dtype=dtype,
-          param_dtype=jnp.float32,
-          kernel_init=nn.with_logical_partitioning(init, ("embed", "heads", "kv")),
+          param_dtype=cfg.jnp_param_dtype,
+          kernel_init=nn.with_logical_partitioning(init, ("embed", heads_axis, "kv")),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (heads_axis, "kv")),
           name=name,
       )(x)
 
-    q = apply_rope(proj("query"), positions, cfg.rope_base)
-    k = apply_rope(proj("key"), positions, cfg.rope_base)
-    v = proj("value")
+    q = proj("query", cfg.n_heads, "heads")
+    k = proj("key", cfg.n_kv_heads, "kv_heads")
+    v = proj("value", cfg.n_kv_heads, "kv_heads")
+    if cfg.qk_norm:
+      q = _rms_norm(cfg, "query_norm", "kv")(q)
+      k = _rms_norm(cfg, "key_norm", "kv")(k)
+    q = apply_rope(q, positions, cfg)
+    k = apply_rope(k, positions, cfg)
 
     new_cache = None
     if layer_cache is None:
@@ -148,7 +160,7 @@ class Attention(nn.Module):
       ctx = _attend_cache_and_self(q, k, v, ck, cv, positions)
       new_cache = (k.astype(ck.dtype), v.astype(cv.dtype))
     else:
-      ck, cv = layer_cache  # [B,S,H,D]
+      ck, cv = layer_cache  # [B,S,Hkv,D]
       b_idx = jnp.arange(x.shape[0])[:, None]
       # Scatter at absolute positions; out-of-range positions are dropped.
       ck = ck.at[b_idx, positions].set(k.astype(ck.dtype), mode="drop")
@@ -161,10 +173,11 @@ class Attention(nn.Module):
     out = nn.DenseGeneral(
         features=cfg.d_model,
         axis=(-2, -1),
-        use_bias=False,
+        use_bias=cfg.out_bias,
         dtype=dtype,
-        param_dtype=jnp.float32,
+        param_dtype=cfg.jnp_param_dtype,
         kernel_init=nn.with_logical_partitioning(init, ("heads", "kv", "embed")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         name="out",
     )(ctx)
     return out, new_cache
@@ -178,15 +191,14 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.cfg
-    dtype = cfg.jnp_dtype
     init = nn.initializers.lecun_normal()
 
     def dense(features: int, axes: tuple[str, str], name: str) -> nn.Dense:
       return nn.Dense(
           features,
           use_bias=False,
-          dtype=dtype,
-          param_dtype=jnp.float32,
+          dtype=cfg.jnp_dtype,
+          param_dtype=cfg.jnp_param_dtype,
           kernel_init=nn.with_logical_partitioning(init, axes),
           name=name,
       )
@@ -205,19 +217,30 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, mask, layer_cache):
-    dtype = self.cfg.jnp_dtype
     h, new_cache = Attention(self.cfg, self.defer_cache_write, name="attn")(
-        _rms_norm("attn_norm", dtype)(x), positions, mask, layer_cache
+        _rms_norm(self.cfg, "attn_norm")(x), positions, mask, layer_cache
     )
     x = x + h
-    x = x + MLP(self.cfg, name="mlp")(_rms_norm("mlp_norm", dtype)(x))
+    x = x + MLP(self.cfg, name="mlp")(_rms_norm(self.cfg, "mlp_norm")(x))
     return x, new_cache
 
 
+def head_weight(cfg: ModelConfig, params) -> jax.Array:
+  """The LM head as ``[d_model, vocab]`` (the transposed embedding when tied)."""
+  if cfg.tie_embeddings:
+    return params["embed"]["embedding"].T
+  return params["lm_head"]["kernel"]
+
+
 class Transformer(nn.Module):
-  """Decoder-only LM. See the module docstring for layout and axis names."""
+  """Decoder-only LM. See the module docstring for layout and axis names.
+
+  ``remat``: a key of ``REMAT_POLICIES``; rematerialises each block in the
+  backward pass (training only; the learner sets it, rollout never does).
+  """
 
   cfg: ModelConfig
+  remat: str = "none"
 
   @nn.compact
   def __call__(
@@ -227,6 +250,7 @@ class Transformer(nn.Module):
       kv_cache: KVCache | None = None,
       attention_mask: jax.Array | None = None,
       defer_cache_write: bool = False,
+      return_hidden: bool = False,
   ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Runs the model.
 
@@ -243,19 +267,24 @@ class Transformer(nn.Module):
         a cache, where it hides padded *keys* (causality is by index).
       defer_cache_write: decode (``T=1``) only. The cache is only read: each
         token attends to its row's entries ``j < position`` plus itself, and
-        the returned ``KVCache`` holds just the new entries ``[L,B,1,H,D]``
+        the returned ``KVCache`` holds just the new entries ``[L,B,1,Hkv,D]``
         for the caller to commit (``KVCache.write_step``). Writing the cache
         inside the model produces an updated copy of the whole cache per
         call, which dominates a decode step; committing once, in place, and
         only for the rows the caller keeps (DORA runs one pass per policy
         version and keeps each row's own version) costs a few entries.
+      return_hidden: Return the final-normed hidden states ``[B,T,D]``
+        instead of logits. With a 150k vocabulary ``[B,T,V]`` float32 logits
+        are the largest tensor of a step: the learner computes log-probs
+        from the hidden states in chunks (``jax_dora.model.logits``) and
+        prefill only needs the last position.
 
     Returns:
-      float32 ``logits[B,T,V]``, plus the updated ``KVCache`` (or, with
-      ``defer_cache_write``, the new entries) when a cache was passed.
+      float32 ``logits[B,T,V]`` (or the hidden states), plus the updated
+      ``KVCache`` (or, with ``defer_cache_write``, the new entries) when a
+      cache was passed.
     """
     cfg = self.cfg
-    dtype = cfg.jnp_dtype
     tokens = tokens.astype(jnp.int32)
     positions = positions.astype(jnp.int32)
     t = tokens.shape[1]
@@ -273,44 +302,49 @@ class Transformer(nn.Module):
       mask = None
     if defer_cache_write and (kv_cache is None or t != 1):
       raise ValueError("defer_cache_write needs a kv_cache and one token per row (decode)")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
 
-    x = nn.Embed(
+    embed = nn.Embed(
         cfg.vocab_size,
         cfg.d_model,
-        dtype=dtype,
-        param_dtype=jnp.float32,
+        dtype=cfg.jnp_dtype,
+        param_dtype=cfg.jnp_param_dtype,
         embedding_init=nn.with_logical_partitioning(
             nn.initializers.normal(stddev=1.0), ("vocab", "embed")
         ),
         name="embed",
-    )(tokens)
+    )
+    x = embed(tokens)
 
+    block_cls = Block
+    if self.remat != "none":
+      block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=True)
     new_k, new_v = [], []
     for i in range(cfg.n_layers):
       layer_cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-      x, nc = Block(cfg, defer_cache_write, name=f"layers_{i}")(x, positions, mask, layer_cache)
+      x, nc = block_cls(cfg, defer_cache_write, name=f"layers_{i}")(x, positions, mask, layer_cache)
       if nc is not None:
         new_k.append(nc[0])
         new_v.append(nc[1])
 
-    x = _rms_norm("final_norm", dtype)(x)
-    logits = nn.Dense(
-        cfg.vocab_size,
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        kernel_init=nn.with_logical_partitioning(
-            nn.initializers.normal(stddev=0.02), ("embed", "vocab")
-        ),
-        name="lm_head",
-    )(x.astype(jnp.float32))
+    x = _rms_norm(cfg, "final_norm")(x)
+    if return_hidden:
+      out = x
+    elif cfg.tie_embeddings:
+      out = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), embed.embedding.astype(jnp.float32))
+    else:
+      out = nn.Dense(
+          cfg.vocab_size,
+          use_bias=False,
+          dtype=jnp.float32,
+          param_dtype=cfg.jnp_param_dtype,
+          kernel_init=nn.with_logical_partitioning(
+              nn.initializers.normal(stddev=0.02), ("embed", "vocab")
+          ),
+          name="lm_head",
+      )(x.astype(jnp.float32))
 
     if kv_cache is None:
-      return logits
-    return logits, KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
-
-
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """``log p(targets)`` per position: ``logits[B,T,V]``, ``targets[B,T]`` -> ``[B,T]`` f32."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp, targets.astype(jnp.int32)[..., None], axis=-1)[..., 0]
+      return out
+    return out, KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))

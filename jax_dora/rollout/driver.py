@@ -119,7 +119,9 @@ class RolloutDriver:
     self.store = VersionStore(max_versions)
     self._load_fn = load_fn or (lambda v: engine.load_params(self.reader, v))
     self.chunk_steps = max(1, int(chunk_steps))
-    self.eos_id = int(engine.tokenizer.eos_id) if stop_on_eos else -1
+    # Every stop id of the tokenizer ends a completion (HF chat models have
+    # several: Llama 3 Instruct's <|eot_id|> besides <|end_of_text|>).
+    self.stop_ids = frozenset(int(t) for t in engine.tokenizer.stop_tokens) if stop_on_eos else frozenset()
     self.num_slots = engine.max_concurrent_decodes
 
     self._lock = threading.Lock()
@@ -414,7 +416,7 @@ class RolloutDriver:
     s.tokens.append(token)
     s.logprobs.append(logprob)
     self._generated += 1
-    if token == self.eos_id and not s.request.ignore_eos:
+    if token in self.stop_ids and not s.request.ignore_eos:
       self._finish(slot, "eos")
     elif len(s.tokens) >= s.budget:
       self._finish(slot, "length")

@@ -19,11 +19,15 @@ Every device function is jitted with fixed shapes: the decode state always has
 ``insert`` is a traced scalar, and prefill pads to a small set of length
 buckets, so each function compiles once (per bucket) and never again.
 
-Placement: the engine builds a 1-axis mesh ``("slots",)`` over the server's
-devices. Params are *replicated* (rollout models here are small; replication
-keeps decode free of collectives). The decode state's slot (batch) axis is
-sharded over the mesh when ``num_slots`` divides evenly, otherwise replicated;
-prefixes (batch 1) are replicated.
+Placement: the engine builds a ``("slots", "tensor")`` mesh over the
+server's devices, ``tensor_parallel`` devices on the second axis. Params are
+laid out by the model's logical axes with heads, KV heads, MLP width and
+vocabulary over ``"tensor"`` (Megatron-style tensor parallelism, so a 7B-class
+policy fits a server of small chips) and replicated over ``"slots"``; with
+``tensor_parallel=1`` they are fully replicated and decode needs no
+collective. The decode state's slot (batch) axis is sharded over ``"slots"``
+when ``num_slots`` divides evenly, the KV cache's heads over ``"tensor"``;
+prefixes (batch 1) follow the same head split.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -42,7 +47,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jetstream.engine import engine_api
 from jetstream.engine import tokenizer_pb2
 
-from jax_dora.model import CharTokenizer, KVCache, ModelConfig, Transformer, init_params
+from jax_dora.model import (
+    KVCache,
+    ModelConfig,
+    Transformer,
+    head_weight,
+    param_logical_specs,
+    suppress_mask,
+)
+from jax_dora.model.tokenizer import PolicyTokenizer
 from jax_dora.rollout.sampling import sample_tokens
 from jax_dora.snapshots import SnapshotReader, abstract_target_like
 
@@ -158,13 +171,14 @@ class DoraEngine(engine_api.Engine):
   def __init__(
       self,
       model_cfg: ModelConfig,
-      tokenizer: CharTokenizer,
+      tokenizer: PolicyTokenizer,
       num_slots: int,
       max_prefill_length: int,
       devices: Sequence[jax.Device] | None = None,
       temperature: float = 1.0,
       top_p: float = 1.0,
       seed: int = 0,
+      tensor_parallel: int = 1,
   ):
     if num_slots < 1:
       raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -181,13 +195,27 @@ class DoraEngine(engine_api.Engine):
     self.model = Transformer(model_cfg)
     self.temperature = float(temperature)
     self.top_p = float(top_p)
+    # The tokenizer decides which ids may never be sampled (PAD, BOS, non-stop
+    # special tokens, padded vocabulary rows); the learner masks the same ids.
+    self.suppress_mask = suppress_mask(
+        model_cfg.vocab_size, tokenizer.suppressed_ids(model_cfg.vocab_size))
     self._num_slots = int(num_slots)
     self._max_prefill_length = int(max_prefill_length)
     self.buckets = prefill_buckets(self._max_prefill_length, model_cfg.max_seq_len)
     devices = list(devices) if devices else jax.devices()[:1]
-    self._mesh = Mesh(np.array(devices), ("slots",))
+    tp = int(tensor_parallel)
+    if tp < 1 or len(devices) % tp:
+      raise ValueError(f"tensor_parallel={tp} does not divide the server's {len(devices)} devices")
+    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+      if getattr(model_cfg, name) % tp:
+        raise ValueError(f"model.{name}={getattr(model_cfg, name)} is not divisible by"
+                         f" rollout.tensor_parallel={tp}")
+    self._mesh = Mesh(np.array(devices).reshape(len(devices) // tp, tp), ("slots", "tensor"))
     self.replicated = NamedSharding(self._mesh, P())
-    slot_axis = "slots" if num_slots % len(devices) == 0 else None
+    self._heads_axis = "tensor" if tp > 1 else None
+    self.param_sharding = self._param_sharding()
+    slot_axis = "slots" if num_slots % (len(devices) // tp) == 0 else None
+    self._prefix_cache_sharding = NamedSharding(self._mesh, P(None, None, None, self._heads_axis))
     self._state_sharding = self._decode_state_sharding(slot_axis)
     # Prefill draws its first-token randomness from a host-side counter (the
     # JetStream prefill signature has no rng argument); a lock keeps the
@@ -206,9 +234,16 @@ class DoraEngine(engine_api.Engine):
     self._build_jitted()
 
   # ---------------------------------------------------------------- placement
+  def _param_sharding(self) -> Params:
+    """Per-param shardings: model-parallel axes over ``"tensor"``, the rest replicated."""
+    rules = tuple((name, self._heads_axis) for name in ("vocab", "heads", "kv_heads", "mlp"))
+    rules += tuple((name, None) for name in ("embed", "kv", "norm"))
+    with nn.logical_axis_rules(rules):
+      return nn.logical_to_mesh_sharding(param_logical_specs(self.model_cfg), self._mesh, rules)
+
   def _decode_state_sharding(self, slot_axis: str | None) -> DecodeState:
     row = NamedSharding(self._mesh, P(slot_axis))
-    cache = NamedSharding(self._mesh, P(None, slot_axis))
+    cache = NamedSharding(self._mesh, P(None, slot_axis, None, self._heads_axis))
     return DecodeState(
         cache=KVCache(k=cache, v=cache),
         tokens=row,
@@ -220,7 +255,7 @@ class DoraEngine(engine_api.Engine):
     )
 
   def _build_jitted(self) -> None:
-    self._prefill_fn = jax.jit(self._prefill_impl, out_shardings=self.replicated)
+    self._prefill_fn = jax.jit(self._prefill_impl, out_shardings=self._prefix_sharding())
     self._insert_fn = jax.jit(
         self._insert_impl, donate_argnums=(1,), out_shardings=self._state_sharding
     )
@@ -242,6 +277,11 @@ class DoraEngine(engine_api.Engine):
     self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=st)
 
   # ------------------------------------------------------------------- params
+  def _prefix_sharding(self) -> Prefix:
+    cache = self._prefix_cache_sharding
+    r = self.replicated
+    return Prefix(cache=KVCache(k=cache, v=cache), token=r, logprob=r, true_length=r, version=r)
+
   def abstract_params(self) -> Params:
     """Shape/dtype/sharding of the params, for restoring snapshots onto us.
 
@@ -249,8 +289,11 @@ class DoraEngine(engine_api.Engine):
     a small model, and every version load needs it.
     """
     if self._abstract_params is None:
-      shapes = jax.eval_shape(lambda r: init_params(self.model_cfg, r), jax.random.PRNGKey(0))
-      self._abstract_params = abstract_target_like(shapes, self.replicated)
+      shapes = jax.eval_shape(
+          lambda r: Transformer(self.model_cfg).init(r, jnp.zeros((1, 1), jnp.int32),
+                                                     jnp.zeros((1, 1), jnp.int32))["params"],
+          jax.random.PRNGKey(0))
+      self._abstract_params = abstract_target_like(nn.meta.unbox(shapes), self.param_sharding)
     return self._abstract_params
 
   def load_params(self, reader: SnapshotReader, version: int) -> Params:  # pytype: disable=signature-mismatch
@@ -259,8 +302,8 @@ class DoraEngine(engine_api.Engine):
     return params
 
   def place_params(self, params: Params) -> Params:
-    """Copies an in-memory param tree onto the engine's devices (tests, benchmarks)."""
-    return jax.device_put(params, self.replicated)
+    """Copies an in-memory param tree onto the engine's devices and layout."""
+    return jax.device_put(params, self.param_sharding)
 
   def warmup(self, max_versions: int) -> None:
     """Compiles prefill+insert (every bucket), decode for 1..``max_versions``
@@ -297,11 +340,13 @@ class DoraEngine(engine_api.Engine):
   def _prefill_impl(self, params, cache, tokens, offset, true_length, version, rng):
     t = tokens.shape[0]
     positions = (offset + jnp.arange(t, dtype=jnp.int32))[None]
-    logits, cache = self.model.apply(
-        {"params": params}, tokens[None], positions, kv_cache=cache
+    hidden, cache = self.model.apply(
+        {"params": params}, tokens[None], positions, kv_cache=cache, return_hidden=True
     )
-    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)
-    tok, logp = sample_tokens(last, rng, self.temperature, self.top_p)
+    # Only the last real position's logits are needed: [1, V], not [T, V].
+    last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, axis=0, keepdims=True)
+    logits = last.astype(jnp.float32) @ head_weight(self.model_cfg, params).astype(jnp.float32)
+    tok, logp = sample_tokens(logits, rng, self.temperature, self.top_p, self.suppress_mask)
     return Prefix(
         cache=cache,
         token=tok[0],
@@ -443,7 +488,7 @@ class DoraEngine(engine_api.Engine):
   def _empty_step_acc(self, state: DecodeState):
     cfg = self.model_cfg
     b = state.tokens.shape[0]
-    shape = (cfg.n_layers, b, 1, cfg.n_heads, cfg.head_dim)
+    shape = (cfg.n_layers, b, 1, cfg.n_kv_heads, cfg.head_dim)
     new = KVCache(k=jnp.zeros(shape, state.cache.k.dtype), v=jnp.zeros(shape, state.cache.v.dtype))
     return (new, state.tokens, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool))
 
@@ -458,7 +503,7 @@ class DoraEngine(engine_api.Engine):
         {"params": params}, state.tokens[:, None], state.positions[:, None],
         kv_cache=state.cache, defer_cache_write=True,
     )
-    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p)
+    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p, self.suppress_mask)
     mine = state.active & (state.version == version)
     sel = mine[None, :, None, None, None]
     acc_new = KVCache(k=jnp.where(sel, new.k, acc_new.k), v=jnp.where(sel, new.v, acc_new.v))
@@ -483,7 +528,7 @@ class DoraEngine(engine_api.Engine):
         {"params": params}, state.tokens[rows][:, None], state.positions[rows][:, None],
         kv_cache=sub_cache, defer_cache_write=True,
     )
-    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p)
+    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p, self.suppress_mask)
     acc_new = KVCache(
         k=acc_new.k.at[:, idx].set(new.k, mode="drop"),
         v=acc_new.v.at[:, idx].set(new.v, mode="drop"),
@@ -612,15 +657,14 @@ class DoraEngine(engine_api.Engine):
 
   # ------------------------------------------------------- engine_api members
   def get_prefix_destination_sharding(self) -> Any:
-    return jax.tree.map(lambda _: self.replicated, Prefix(
-        cache=KVCache(k=0, v=0), token=0, logprob=0, true_length=0, version=0))
+    return self._prefix_sharding()
 
   def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
-    # Our tokenizer is a fixed in-repo character map, not a SentencePiece
-    # file; the proto is only a placeholder for API compatibility.
-    return tokenizer_pb2.TokenizerParameters(path="jax_dora:CharTokenizer")
+    # The HF tokenizer's directory, or a name for the in-repo character map.
+    return tokenizer_pb2.TokenizerParameters(
+        path=getattr(self.tokenizer, "path", "jax_dora:CharTokenizer"))
 
-  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> CharTokenizer:
+  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> PolicyTokenizer:
     del metadata
     return self.tokenizer
 
@@ -649,18 +693,27 @@ class DoraEngine(engine_api.Engine):
     return None
 
 
-def build_engine(config, devices: Sequence[jax.Device], seed: int | None = None) -> DoraEngine:
-  """Engine from the run config's ``model`` and ``rollout`` blocks."""
-  tokenizer = CharTokenizer()
-  model_cfg = ModelConfig.from_config_dict(config.model, vocab_size=tokenizer.vocab_size)
+def build_engine(
+    config, devices: Sequence[jax.Device], seed: int | None = None, policy: Any = None
+) -> DoraEngine:
+  """Engine from the run config's ``model`` and ``rollout`` blocks.
+
+  ``policy``: a resolved :class:`jax_dora.policy.PolicySpec` (model config
+  and tokenizer); resolved from ``config`` when not given.
+  """
+  if policy is None:
+    from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
+
+    policy = resolve_policy(config)
   r = config.rollout
   return DoraEngine(
-      model_cfg,
-      tokenizer,
+      policy.model_cfg,
+      policy.tokenizer,
       num_slots=r.slots,
       max_prefill_length=r.max_prefill_length,
       devices=devices,
       temperature=r.temperature,
       top_p=r.top_p,
       seed=config.seed if seed is None else seed,
+      tensor_parallel=r.tensor_parallel,
   )

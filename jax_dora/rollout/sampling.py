@@ -9,12 +9,20 @@ only meaningful if both sides are the same distribution family, so we report
 the untruncated one. (With ``top_p < 1`` the drawn token then comes from a
 slightly different distribution than the one reported; that bias is the usual
 trade-off RL systems make, and ``top_p = 1`` -- the default -- removes it.)
+
+Suppressed ids (``mask``: padding, BOS, special tokens that are not stop
+tokens) are removed from the distribution before anything else, so they are
+never sampled; the learner applies the same mask
+(``jax_dora.model.logits``), which keeps both sides one distribution.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jax_dora.model.logits import masked_scaled_logits
 
 
 def sample_tokens(
@@ -22,6 +30,7 @@ def sample_tokens(
     rng: jax.Array,
     temperature: float,
     top_p: float = 1.0,
+    mask: np.ndarray | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Draws one token per row of ``logits[B, V]``.
 
@@ -33,17 +42,18 @@ def sample_tokens(
       log-probability rather than ``0``/``-inf``.
     top_p: Python float in ``(0, 1]``; nucleus truncation of the *sampling*
       distribution only (see module docstring).
+    mask: ``[V]`` bool, ids never to sample (see module docstring).
 
   Returns:
     ``(tokens[B] int32, logprobs[B] float32)``.
   """
-  logits = logits.astype(jnp.float32)
   if temperature <= 0.0:
+    logits = masked_scaled_logits(logits, 1.0, mask)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
-  scaled = logits / temperature
+  scaled = masked_scaled_logits(logits, temperature, mask)
   logp = jax.nn.log_softmax(scaled, axis=-1)
   sample_logits = scaled
   if top_p < 1.0:

@@ -58,7 +58,7 @@ def static_generate(
   """
   n = len(prompts)
   budgets = [int(max_new_tokens)] * n if np.isscalar(max_new_tokens) else [int(b) for b in max_new_tokens]
-  eos = engine.tokenizer.eos_id if stop_on_eos else -1
+  stops = frozenset(engine.tokenizer.stop_tokens) if stop_on_eos else frozenset()
   mv = MultiVersionParams.single(version, params)
   b = engine.max_concurrent_decodes
   stats = stats if stats is not None else StaticStats()
@@ -81,7 +81,7 @@ def static_generate(
     finished = {}
 
     def check(slot: int, i: int) -> None:
-      if toks[i][-1] == eos:
+      if toks[i][-1] in stops:
         finished[i] = "eos"
       elif len(toks[i]) >= budgets[i]:
         finished[i] = "length"
