@@ -1,0 +1,62 @@
+"""Model families importable from / exportable to Hugging Face checkpoints.
+
+Adding a family: a module defining a ``base.Family`` and one line below.
+Gemma 2/3 are not here: they need GeGLU with a tanh-GELU, ``1 + w`` RMSNorm
+scales, pre- *and* post-norms, embedding scaling, logit soft-capping and
+sliding-window layers, i.e. a different block rather than a new mapping.
+"""
+
+from __future__ import annotations
+
+from jax_dora.model.config import ModelConfig
+from jax_dora.model.families import llama, qwen2, qwen3
+from jax_dora.model.families.base import (
+    Family,
+    TensorLayout,
+    TensorMap,
+    UnsupportedCheckpointError,
+)
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+  if family.name in FAMILIES:
+    raise ValueError(f"model family {family.name!r} registered twice")
+  FAMILIES[family.name] = family
+  return family
+
+
+register(llama.FAMILY)
+register(qwen2.FAMILY)
+register(qwen3.FAMILY)
+
+
+def get_family(model_type: str) -> Family:
+  """The family for an HF ``model_type``; a clear error naming the supported ones."""
+  if model_type not in FAMILIES:
+    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in FAMILIES.values())
+    raise UnsupportedCheckpointError(
+        f"unknown architecture: model_type={model_type!r}; supported: {supported}")
+  return FAMILIES[model_type]
+
+
+def family_for(cfg: ModelConfig) -> Family:
+  """The family whose checkpoint layout ``cfg`` (e.g. the native model) exports to."""
+  if cfg.qk_norm:
+    return FAMILIES["qwen3"]
+  if cfg.qkv_bias and not cfg.out_bias:
+    return FAMILIES["qwen2"]
+  return FAMILIES["llama"]
+
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "TensorLayout",
+    "TensorMap",
+    "UnsupportedCheckpointError",
+    "family_for",
+    "get_family",
+    "register",
+]

@@ -1,0 +1,260 @@
+"""What a model family is: a config.json mapping plus a tensor-name/layout map.
+
+A family translates between a Hugging Face checkpoint and ``ModelConfig`` /
+our parameter tree. The Llama, Qwen2 and Qwen3 checkpoints share one tensor
+naming (``model.layers.{i}.self_attn.q_proj.weight`` ...), so they share
+:func:`llama_style_tensors` and differ only in how ``config.json`` maps onto
+``ModelConfig``. A new family is one module defining a :class:`Family` and
+one ``register`` line in ``jax_dora.model.families``.
+
+Layouts: HF stores linear layers as ``[out, in]``; we store ``[in, out]``
+with the head axes split (``query/kernel [embed, heads, head_dim]``). A
+:class:`TensorLayout` is "optionally transpose the 2-D HF tensor, then split
+axes", which is invertible exactly (export is bit-exact) and lets the importer
+read only the slice of the HF tensor each device needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_dora.model.config import ModelConfig
+
+ParamPath = tuple[str, ...]
+
+
+class UnsupportedCheckpointError(ValueError):
+  """A checkpoint uses a feature (architecture, activation, RoPE type ...) we do not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+  """How one of our params relates to its HF tensor.
+
+  Attributes:
+    shape: Our shape.
+    groups: How many of our axes make up each axis of the (transposed) HF
+      tensor, in order; e.g. ``query/kernel [D, H, K]`` from
+      ``q_proj.weight [H*K, D]`` is ``groups=(1, 2), transpose=True``.
+    transpose: Whether the HF tensor is transposed relative to ours (2-D only).
+  """
+
+  shape: tuple[int, ...]
+  groups: tuple[int, ...]
+  transpose: bool = False
+
+  def __post_init__(self):
+    if sum(self.groups) != len(self.shape) or any(g not in (1, 2) for g in self.groups):
+      raise ValueError(f"bad layout groups {self.groups} for shape {self.shape}")
+
+  @property
+  def merged_shape(self) -> tuple[int, ...]:
+    out, i = [], 0
+    for g in self.groups:
+      out.append(math.prod(self.shape[i:i + g]))
+      i += g
+    return tuple(out)
+
+  @property
+  def hf_shape(self) -> tuple[int, ...]:
+    m = self.merged_shape
+    return tuple(reversed(m)) if self.transpose else m
+
+  def to_ours(self, hf: np.ndarray) -> np.ndarray:
+    a = hf.T if self.transpose else hf
+    return a.reshape(self.shape)
+
+  def to_hf(self, ours: np.ndarray) -> np.ndarray:
+    a = ours.reshape(self.merged_shape)
+    return np.ascontiguousarray(a.T if self.transpose else a)
+
+  def read_slice(self, read: Callable[[tuple[slice, ...]], np.ndarray],
+                 index: Sequence[slice]) -> np.ndarray:
+    """Our ``array[index]`` from an HF tensor, reading only the rows it needs.
+
+    ``read(hf_index)`` returns ``hf_tensor[hf_index]`` (a lazy safetensors
+    slice). A split axis ``(outer, inner)`` is read for whole ``inner``
+    blocks of the requested ``outer`` range, then cut.
+    """
+    idx = [slice(*s.indices(n)[:2]) for s, n in zip(index, self.shape)]
+    merged_idx, block_shape, post = [], [], []
+    i = 0
+    for g in self.groups:
+      if g == 1:
+        s = idx[i]
+        merged_idx.append(s)
+        block_shape.append(s.stop - s.start)
+        post.append(slice(None))
+      else:
+        outer, inner = idx[i], idx[i + 1]
+        n_inner = self.shape[i + 1]
+        merged_idx.append(slice(outer.start * n_inner, outer.stop * n_inner))
+        block_shape += [outer.stop - outer.start, n_inner]
+        post += [slice(None), inner]
+      i += g
+    hf_idx = tuple(reversed(merged_idx)) if self.transpose else tuple(merged_idx)
+    a = np.asarray(read(hf_idx))
+    if self.transpose:
+      a = a.T
+    return a.reshape(block_shape)[tuple(post)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+  hf_name: str
+  path: ParamPath
+  layout: TensorLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family.
+
+  Attributes:
+    name: Registry key (the HF ``model_type``).
+    architectures: HF ``architectures`` entries it loads (first = exported).
+    from_hf: HF config object -> ``ModelConfig`` keyword arguments (without
+      the run-level ``max_seq_len`` / dtypes). Raises
+      :class:`UnsupportedCheckpointError` for features we do not implement.
+    to_hf: ``ModelConfig`` -> HF config keyword arguments (export of a model
+      that did not come from a checkpoint).
+    tensors: ``ModelConfig`` -> every tensor of the checkpoint.
+    ignored: Checkpoint tensor names that may be present and are not
+      parameters (e.g. cached RoPE buffers).
+  """
+
+  name: str
+  architectures: tuple[str, ...]
+  from_hf: Callable[[Any], dict[str, Any]]
+  to_hf: Callable[[ModelConfig], dict[str, Any]]
+  tensors: Callable[[ModelConfig], list[TensorMap]]
+  ignored: Callable[[ModelConfig, str], bool] = lambda cfg, name: False
+
+
+def _linear(cfg_shape: tuple[int, ...], groups: tuple[int, ...]) -> TensorLayout:
+  return TensorLayout(cfg_shape, groups, transpose=True)
+
+
+def llama_style_tensors(cfg: ModelConfig) -> list[TensorMap]:
+  """The tensors of a Llama / Qwen2 / Qwen3 checkpoint for ``cfg``."""
+  d, h, kvh, k, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                        cfg.vocab_size)
+  out = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), TensorLayout((v, d), (1, 1)))]
+  for i in range(cfg.n_layers):
+    pre, us = f"model.layers.{i}.", f"layers_{i}"
+    attn = pre + "self_attn."
+    out += [
+        TensorMap(pre + "input_layernorm.weight", (us, "attn_norm", "scale"), TensorLayout((d,), (1,))),
+        TensorMap(attn + "q_proj.weight", (us, "attn", "query", "kernel"), _linear((d, h, k), (1, 2))),
+        TensorMap(attn + "k_proj.weight", (us, "attn", "key", "kernel"), _linear((d, kvh, k), (1, 2))),
+        TensorMap(attn + "v_proj.weight", (us, "attn", "value", "kernel"), _linear((d, kvh, k), (1, 2))),
+        TensorMap(attn + "o_proj.weight", (us, "attn", "out", "kernel"), _linear((h, k, d), (2, 1))),
+        TensorMap(pre + "post_attention_layernorm.weight", (us, "mlp_norm", "scale"),
+                  TensorLayout((d,), (1,))),
+        TensorMap(pre + "mlp.gate_proj.weight", (us, "mlp", "wi_0", "kernel"), _linear((d, f), (1, 1))),
+        TensorMap(pre + "mlp.up_proj.weight", (us, "mlp", "wi_1", "kernel"), _linear((d, f), (1, 1))),
+        TensorMap(pre + "mlp.down_proj.weight", (us, "mlp", "wo", "kernel"), _linear((f, d), (1, 1))),
+    ]
+    if cfg.qkv_bias:
+      out += [
+          TensorMap(attn + "q_proj.bias", (us, "attn", "query", "bias"), TensorLayout((h, k), (2,))),
+          TensorMap(attn + "k_proj.bias", (us, "attn", "key", "bias"), TensorLayout((kvh, k), (2,))),
+          TensorMap(attn + "v_proj.bias", (us, "attn", "value", "bias"), TensorLayout((kvh, k), (2,))),
+      ]
+    if cfg.out_bias:
+      out.append(TensorMap(attn + "o_proj.bias", (us, "attn", "out", "bias"), TensorLayout((d,), (1,))))
+    if cfg.qk_norm:
+      out += [
+          TensorMap(attn + "q_norm.weight", (us, "attn", "query_norm", "scale"), TensorLayout((k,), (1,))),
+          TensorMap(attn + "k_norm.weight", (us, "attn", "key_norm", "scale"), TensorLayout((k,), (1,))),
+      ]
+  out.append(TensorMap("model.norm.weight", ("final_norm", "scale"), TensorLayout((d,), (1,))))
+  if not cfg.tie_embeddings:
+    out.append(TensorMap("lm_head.weight", ("lm_head", "kernel"), _linear((d, v), (1, 1))))
+  return out
+
+
+def llama_style_ignored(cfg: ModelConfig, name: str) -> bool:
+  """Buffers some exporters write, and a redundant head copy in tied checkpoints."""
+  return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+
+
+# ---------------------------------------------------------------- config.json
+def rope_fields(hf: Any) -> dict[str, Any]:
+  """RoPE settings from an HF config (transformers 5 ``rope_parameters`` or 4.x fields)."""
+  params = dict(getattr(hf, "rope_parameters", None) or {})
+  legacy = getattr(hf, "rope_scaling", None) or {}
+  theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+  scaling = params if params.get("rope_type", "default") != "default" else dict(legacy)
+  rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+  out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
+  if rope_type == "default":
+    return out
+  if rope_type != "llama3":
+    raise UnsupportedCheckpointError(
+        f"RoPE type {rope_type!r} is not supported (supported: default, llama3)")
+  out.update(
+      rope_scaling="llama3",
+      rope_scaling_factor=float(scaling["factor"]),
+      rope_low_freq_factor=float(scaling["low_freq_factor"]),
+      rope_high_freq_factor=float(scaling["high_freq_factor"]),
+      rope_original_max_len=int(scaling["original_max_position_embeddings"]),
+  )
+  return out
+
+
+def common_from_hf(hf: Any) -> dict[str, Any]:
+  """Fields every Llama-style config shares; rejects what the decoder does not implement."""
+  act = getattr(hf, "hidden_act", "silu")
+  if act != "silu":
+    raise UnsupportedCheckpointError(f"hidden_act={act!r}: only SwiGLU with silu is implemented")
+  if getattr(hf, "mlp_bias", False):
+    raise UnsupportedCheckpointError("mlp_bias=True is not implemented")
+  if getattr(hf, "use_sliding_window", False):
+    raise UnsupportedCheckpointError("sliding-window attention (use_sliding_window=True) is not implemented")
+  heads = int(hf.num_attention_heads)
+  head_dim = getattr(hf, "head_dim", None) or int(hf.hidden_size) // heads
+  return dict(
+      vocab_size=int(hf.vocab_size),
+      d_model=int(hf.hidden_size),
+      n_layers=int(hf.num_hidden_layers),
+      n_heads=heads,
+      n_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+      head_dim=int(head_dim),
+      d_ff=int(hf.intermediate_size),
+      norm_eps=float(hf.rms_norm_eps),
+      tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+      **rope_fields(hf),
+  )
+
+
+def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  out: dict[str, Any] = dict(
+      vocab_size=cfg.vocab_size,
+      hidden_size=cfg.d_model,
+      num_hidden_layers=cfg.n_layers,
+      num_attention_heads=cfg.n_heads,
+      num_key_value_heads=cfg.n_kv_heads,
+      head_dim=cfg.head_dim,
+      intermediate_size=cfg.d_ff,
+      rms_norm_eps=cfg.norm_eps,
+      tie_word_embeddings=cfg.tie_embeddings,
+      hidden_act="silu",
+      max_position_embeddings=max(cfg.max_seq_len, cfg.rope_original_max_len
+                                  if cfg.rope_scaling else cfg.max_seq_len),
+  )
+  # The 4.x spelling: transformers 5 still accepts it (and converts it to
+  # ``rope_parameters``), 4.x understands nothing else.
+  out["rope_theta"] = cfg.rope_theta
+  out["rope_scaling"] = None
+  if cfg.rope_scaling == "llama3":
+    out["rope_scaling"] = dict(
+        rope_type="llama3", factor=cfg.rope_scaling_factor,
+        low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+        original_max_position_embeddings=cfg.rope_original_max_len)
+  return out
