@@ -1,4 +1,4 @@
-"""Grain prompt pipeline over the synthetic tasks (see ``pipeline``)."""
+"""Grain prompt pipeline over the synthetic tasks or dataset files (see ``pipeline``)."""
 
 import ml_collections
 
@@ -20,27 +20,52 @@ def default_data_config() -> ml_collections.ConfigDict:
           length_alpha=DEFAULT_ALPHA,
           num_examples=1_000_000,
           num_epochs=0,  # 0 = repeat forever
+          # Dataset files (JSONL / Parquet); non-empty train_files replaces the
+          # synthetic tasks. eval_files empty = hold out heldout_fraction of
+          # the training rows (by text hash).
+          train_files="",
+          eval_files="",
+          format="gsm8k",  # gsm8k | math | deepscaler | plain (jax_dora.data.formats)
+          prompt_field="",  # "" = the format's field
+          answer_field="",
+          on_bad_row="skip",  # skip (logged count) | error
+          # How a prompt text becomes model input: "raw" text (the tiny model;
+          # base models) or the tokenizer's "chat" template. system_prompt is
+          # a chat system message; prompt_suffix is appended to every prompt.
+          prompt_template="raw",
+          system_prompt="",
+          prompt_suffix="",
       )
   )
 
 
 # Imported after default_data_config so that jax_dora.config can import it
 # without pulling in grain first.
+from jax_dora.data.files import DatasetError, RecordTable, read_records  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_dora.data.pipeline import (  # pylint: disable=g-import-not-at-top,wrong-import-position
+    FileSplits,
     PromptStream,
     config_fingerprint,
     is_heldout,
+    load_file_splits,
     make_eval_prompts,
     make_mixture,
     make_prompt_dataset,
+    uses_files,
 )
 
 __all__ = [
+    "DatasetError",
+    "FileSplits",
     "PromptStream",
+    "RecordTable",
     "config_fingerprint",
     "default_data_config",
     "is_heldout",
+    "load_file_splits",
     "make_eval_prompts",
     "make_mixture",
     "make_prompt_dataset",
+    "read_records",
+    "uses_files",
 ]

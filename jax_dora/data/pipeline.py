@@ -1,9 +1,13 @@
 """Grain prompt pipeline: checkpointable, deterministic, held-out eval split.
 
-Pipeline (all index-based, so every element is a pure function of its
-position and resuming needs only an integer)::
+Two sources feed the same pipeline: the synthetic task mixture (the tiny
+CI/benchmark path) and dataset files (``data.train_files``: JSONL/Parquet read
+through ``jax_dora.data.files`` with a ``data.format`` mapping such as
+``gsm8k``). Pipeline (all index-based, so every element is a pure function
+of its position and resuming needs only an integer)::
 
   MapDataset.range(num_examples)            # example indices
+                                            # (files: MapDataset.source(records))
     .shuffle(seed)                          # new permutation every epoch
     .repeat(num_epochs or None)             # None = forever
     .map_with_index(position, index -> Prompt)
@@ -23,6 +27,14 @@ text*, not only by seed: short prompts such as ``"rep 1 a:"`` would otherwise
 occur in both. Eval prompts use ``eval_seed`` and negative sample ids
 ``-1, -2, ...`` so they never collide with training groups.
 
+Dataset files: ``sample_id`` is the stream position as above; the prompt is
+row ``index`` of the validated records (``Prompt.task`` = the format name,
+``Prompt.answer`` = the extracted ground truth, ``meta`` = file and line).
+Eval prompts come from ``data.eval_files`` or, without them, from the rows
+whose text hashes into ``heldout_fraction`` (removed from training). Prompts
+whose templated token count exceeds ``rollout.max_prefill_length`` are
+dropped up front, with a logged count.
+
 Config fields (``cfg.data``, defaults in :func:`jax_dora.data.default_data_config`):
 
 * ``tasks`` (str): comma-separated task names, e.g. ``"repeat,add,sort,reverse"``.
@@ -40,12 +52,23 @@ Config fields (``cfg.data``, defaults in :func:`jax_dora.data.default_data_confi
   (``P(L) ∝ L**-alpha``); smaller = heavier tail.
 * ``num_examples`` (int): example indices per epoch.
 * ``num_epochs`` (int): passes over them; ``0`` = repeat forever.
+* ``train_files`` / ``eval_files`` (str): comma-separated JSONL/Parquet paths;
+  a non-empty ``train_files`` switches from synthetic tasks to files.
+* ``format`` (str): record format (``gsm8k``, ``math``, ``deepscaler``,
+  ``plain``; see ``jax_dora.data.formats``).
+* ``prompt_field`` / ``answer_field`` (str): override the format's fields.
+* ``on_bad_row`` (str): ``skip`` (logged count) or ``error``.
+* ``prompt_template`` (str): ``chat`` (the tokenizer's chat template) or
+  ``raw``; ``system_prompt`` and ``prompt_suffix`` (str) shape the prompt.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
+import logging
 import zlib
 from typing import Any, Iterator
 
@@ -53,8 +76,14 @@ import grain
 import ml_collections
 import numpy as np
 
+from etils import epath
+
+from jax_dora.data.files import DatasetError, RecordTable, read_records
+from jax_dora.data.formats import RecordFormat, get_format
 from jax_dora.tasks import TaskMixture
 from jax_dora.types import Prompt
+
+_log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
 _MAX_SPLIT_TRIES = 10_000
@@ -64,6 +93,11 @@ _HASH_RANGE = 2**32
 def _data_cfg(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Accepts the full run config or its ``data`` sub-config."""
   return cfg.data if "data" in cfg else cfg
+
+
+def uses_files(cfg: ml_collections.ConfigDict) -> bool:
+  """Whether prompts come from dataset files rather than the synthetic tasks."""
+  return bool(str(_data_cfg(cfg).get("train_files", "")).strip())
 
 
 def _split_list(value: Any, cast: type) -> list[Any]:
@@ -124,10 +158,102 @@ def _check(d: ml_collections.ConfigDict) -> None:
     raise ValueError(f"data.eval_seed must differ from data.seed (both {d.seed})")
 
 
-def make_prompt_dataset(cfg: ml_collections.ConfigDict) -> grain.MapDataset:
+@dataclasses.dataclass
+class FileSplits:
+  """Validated train and eval records of a file dataset."""
+
+  fmt: RecordFormat
+  train: RecordTable
+  eval: RecordTable
+  overlong: int  # prompts dropped for exceeding the prefill length
+
+  @property
+  def skipped(self) -> dict[str, int]:
+    """Rows left out, by reason (bad rows of every file, overlong prompts)."""
+    out = dict(self.train.skipped)
+    for k, v in self.eval.skipped.items():
+      out[k] = out.get(k, 0) + v
+    if self.overlong:
+      out["prompt longer than rollout.max_prefill_length"] = self.overlong
+    return out
+
+
+def _split_heldout(table: RecordTable, fmt: RecordFormat, frac: float) -> tuple[list[int], list[int]]:
+  train, heldout = [], []
+  for i, text in enumerate(table.texts):
+    h = zlib.crc32(f"{fmt.name}:{text}".encode())
+    (heldout if h < frac * _HASH_RANGE else train).append(i)
+  return train, heldout
+
+
+def _fits(table: RecordTable, tokenizer: Any, max_tokens: int | None) -> list[int]:
+  if tokenizer is None or max_tokens is None:
+    return list(range(len(table)))
+  return [i for i, t in enumerate(table.texts) if len(tokenizer.encode_prompt(t)) <= max_tokens]
+
+
+@functools.lru_cache(maxsize=4)
+def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileSplits:
+  d = json.loads(key)
+  fmt = get_format(d["format"], d["prompt_field"], d["answer_field"])
+  train = read_records(_split_list(d["train_files"], str), fmt, d["on_bad_row"])
+  if d["eval_files"]:
+    evals = read_records(_split_list(d["eval_files"], str), fmt, d["on_bad_row"])
+  else:
+    keep, held = _split_heldout(train, fmt, float(d["heldout_fraction"]))
+    if not keep or not held:
+      raise DatasetError(
+          f"data.heldout_fraction={d['heldout_fraction']} leaves {len(keep)} train and"
+          f" {len(held)} eval rows of {len(train)}: set data.eval_files or change the fraction")
+    train, evals = train.select(keep), train.select(held)
+  n_before = len(train) + len(evals)
+  train = train.select(_fits(train, tokenizer, max_tokens))
+  evals = evals.select(_fits(evals, tokenizer, max_tokens))
+  overlong = n_before - len(train) - len(evals)
+  if overlong:
+    _log.warning("dropped %d prompt(s) longer than %d tokens (rollout.max_prefill_length)",
+                 overlong, max_tokens)
+  if not len(train) or not len(evals):
+    raise DatasetError(
+        f"no {'training' if not len(train) else 'eval'} prompt fits rollout.max_prefill_length="
+        f"{max_tokens} tokens")
+  return FileSplits(fmt, train, evals, overlong)
+
+
+def _files_key(d: ml_collections.ConfigDict) -> str:
+  keys = ("train_files", "eval_files", "format", "prompt_field", "answer_field", "on_bad_row",
+          "heldout_fraction")
+  return json.dumps({k: d[k] for k in keys}, sort_keys=True)
+
+
+def load_file_splits(cfg: ml_collections.ConfigDict, tokenizer: Any = None) -> FileSplits:
+  """Train/eval records of ``cfg.data``'s files (cached per config and tokenizer).
+
+  With a ``tokenizer`` (and the full run config), prompts longer than
+  ``rollout.max_prefill_length`` tokens after templating are dropped.
+  """
+  max_tokens = int(cfg.rollout.max_prefill_length) if "rollout" in cfg else None
+  return _load_file_splits(_files_key(_data_cfg(cfg)), tokenizer, max_tokens)
+
+
+def _record_prompt(fmt: RecordFormat, sample_id: int, rec: dict[str, Any]) -> Prompt:
+  return Prompt(sample_id=int(sample_id), task=fmt.name, text=rec["text"], answer=rec["answer"],
+                meta={"file": rec["file"], "row": rec["row"]})
+
+
+def make_prompt_dataset(cfg: ml_collections.ConfigDict, tokenizer: Any = None) -> grain.MapDataset:
   """Training prompts as a ``MapDataset`` whose element ``i`` has ``sample_id == i``."""
   d = _data_cfg(cfg)
   _check(d)
+  if uses_files(cfg):
+    splits = load_file_splits(cfg, tokenizer)
+    seed = int(d.seed)
+    return (
+        grain.MapDataset.source(splits.train)
+        .shuffle(seed=seed)
+        .repeat(int(d.num_epochs) or None)
+        .map_with_index(lambda position, rec: _record_prompt(splits.fmt, position, rec))
+    )
   mixture = make_mixture(d)
   seed, frac = int(d.seed), float(d.heldout_fraction)
 
@@ -142,10 +268,18 @@ def make_prompt_dataset(cfg: ml_collections.ConfigDict) -> grain.MapDataset:
   )
 
 
-def make_eval_prompts(cfg: ml_collections.ConfigDict, n: int) -> list[Prompt]:
-  """``n`` held-out prompts (``eval_seed``, ids ``-1..-n``), disjoint by text from training."""
+def make_eval_prompts(cfg: ml_collections.ConfigDict, n: int, tokenizer: Any = None) -> list[Prompt]:
+  """``n`` held-out prompts (``eval_seed``, ids ``-1..-n``), disjoint by text from training.
+
+  File datasets hold a finite eval set: at most all of it is returned.
+  """
   d = _data_cfg(cfg)
   _check(d)
+  if uses_files(cfg):
+    splits = load_file_splits(cfg, tokenizer)
+    order = np.random.default_rng(int(d.eval_seed)).permutation(len(splits.eval))
+    return [_record_prompt(splits.fmt, -(i + 1), splits.eval[int(j)])
+            for i, j in enumerate(order[:int(n)])]
   mixture = make_mixture(d)
   return [
       _draw(mixture, int(d.eval_seed), i, -(i + 1), float(d.heldout_fraction), want_heldout=True)
@@ -156,6 +290,13 @@ def make_eval_prompts(cfg: ml_collections.ConfigDict, n: int) -> list[Prompt]:
 def config_fingerprint(cfg: ml_collections.ConfigDict) -> str:
   """Short hash of the fields that determine the stream's contents."""
   d = _data_cfg(cfg)
+  if uses_files(cfg):
+    keys = ("train_files", "eval_files", "format", "prompt_field", "answer_field", "on_bad_row",
+            "seed", "heldout_fraction", "num_epochs", "prompt_template", "system_prompt",
+            "prompt_suffix")
+    sizes = [epath.Path(p).stat().length for p in _split_list(d.train_files, str)]
+    blob = json.dumps({**{k: str(d[k]) for k in keys}, "sizes": sizes}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
   keys = ("tasks", "task_weights", "seed", "heldout_fraction", "max_answer_len",
           "max_prompt_len", "length_alpha", "num_examples", "num_epochs")
   blob = json.dumps({k: str(d[k]) for k in keys}, sort_keys=True)
@@ -171,9 +312,9 @@ class PromptStream:
   the old one would have yielded next, with the same sample ids.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict):
+  def __init__(self, cfg: ml_collections.ConfigDict, tokenizer: Any = None):
     self._fingerprint = config_fingerprint(cfg)
-    ds = make_prompt_dataset(cfg)
+    ds = make_prompt_dataset(cfg, tokenizer)
     # Prompts are generated in memory in microseconds: reader threads would
     # only add GIL contention and make the state harder to reason about.
     self._iter = ds.to_iter_dataset(
