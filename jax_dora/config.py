@@ -44,14 +44,36 @@ def base_config() -> ml_collections.ConfigDict:
   c.precompile = False
   c.progress_bar = True
 
+  # The tiny native character model. A Hugging Face model sets ``hf_path``
+  # (a local directory with config.json, safetensors and tokenizer files) and
+  # leaves the architecture fields unset (None): they come from config.json,
+  # and any value set here must agree with it (see hf_model_config).
   c.model = ml_collections.ConfigDict(
       dict(
+          hf_path="",
           d_model=64,
           n_layers=2,
           n_heads=4,
+          n_kv_heads=0,  # 0 = n_heads (no GQA)
+          head_dim=0,  # 0 = d_model // n_heads
           d_ff=256,
-          max_seq_len=96,
-          rope_base=10000.0,
+          max_seq_len=96,  # KV cache / training row length: always a run choice
+          rope_theta=10000.0,
+          rope_scaling="",  # "" or "llama3"
+          rope_scaling_factor=1.0,
+          rope_low_freq_factor=1.0,
+          rope_high_freq_factor=4.0,
+          rope_original_max_len=8192,
+          norm_eps=1e-6,
+          qkv_bias=False,
+          out_bias=False,
+          qk_norm=False,
+          tie_embeddings=False,
+          # Params (and Adam moments) are stored in param_dtype; activations
+          # and the KV cache use dtype; softmax, logits, log-probs and the
+          # loss are always float32. bfloat16 dtype + float32 params is the
+          # usual accelerator setting.
+          param_dtype="float32",
           dtype="float32",
       )
   )
@@ -71,6 +93,15 @@ def base_config() -> ml_collections.ConfigDict:
           kl_coef=0.0,
           advantage_eps=1e-6,
           normalize_adv_std=True,
+          # Memory: log-probs are computed from the hidden states this many
+          # positions at a time, so [B, T, V] float32 logits never exist
+          # (0 = all at once; rows shorter than the chunk are not split).
+          logprob_chunk_size=512,
+          # Rows per forward/backward pass; gradients of the micro-batches are
+          # accumulated into one optimizer step (0 = the whole batch at once).
+          micro_batch_size=0,
+          # Per-block rematerialisation: none | full | dots | dots_no_batch.
+          remat="none",
           # Training rows are padded to the smallest of these lengths that
           # fits the batch (model.max_seq_len is always the last bucket): one
           # compile per bucket, no paying for max_seq_len on short answers.
@@ -101,6 +132,9 @@ def base_config() -> ml_collections.ConfigDict:
           temperature=1.0,
           top_p=1.0,
           max_versions=3,  # policy versions a server may hold at once
+          # Devices of one server that split the model (heads, MLP, vocab) for
+          # tensor parallelism; the server's other devices split the slots.
+          tensor_parallel=1,
           # Server mode (role=rollout / learner with remote servers).
           port=9000,
           server_addresses="",  # comma-separated host:port; empty = embedded servers
@@ -144,6 +178,21 @@ def base_config() -> ml_collections.ConfigDict:
       )
   )
 
+  # Rewards by name (jax_dora.rewards): "task" scores synthetic prompts with
+  # their own verifier; "math_verify" checks the final answer of math
+  # datasets; "format" rewards a well-formed final answer. Weighted sum.
+  c.reward = ml_collections.ConfigDict(
+      dict(
+          functions="task",
+          weights="",  # comma-separated, same order; empty = all 1.0
+          # Verifiers that parse model output run in worker processes, each
+          # answer with this deadline: a pathological completion scores 0
+          # (counted in the metrics) instead of hanging the run.
+          timeout_s=5.0,
+          num_workers=2,
+      )
+  )
+
   c.checkpoint = ml_collections.ConfigDict(
       dict(every_steps=0, max_to_keep=2, resume=True)  # 0 = only at the end
   )
@@ -170,6 +219,26 @@ class ConfigError(ValueError):
   """A config value is out of range or inconsistent with another."""
 
 
+def hf_model_config(hf_path: str = "", **run_fields) -> ml_collections.ConfigDict:
+  """A ``model`` block for a Hugging Face checkpoint: architecture from its config.json.
+
+  Every architecture field is an unset placeholder; setting one on the
+  command line is allowed only if it agrees with the checkpoint (a mismatch
+  is an error, never a silent reshape). ``run_fields`` sets ``max_seq_len``,
+  ``param_dtype`` and ``dtype``.
+  """
+  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+
+  run_level = ("hf_path", "max_seq_len", "param_dtype", "dtype")
+  block = ml_collections.ConfigDict({
+      k: v if k in run_level else config_dict.placeholder(type(v))
+      for k, v in base_config().model.items()
+  })
+  block.hf_path = hf_path
+  block.update(run_fields)
+  return block
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises :class:`ConfigError` with an actionable message on bad values."""
   if c.mode not in MODES:
@@ -188,16 +257,55 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"rollout.max_prefill_length + rollout.max_new_tokens = {need} exceeds"
         f" model.max_seq_len = {c.model.max_seq_len}"
     )
-  if c.data.max_answer_len + 1 > c.rollout.max_new_tokens:
+  synthetic = not str(c.data.train_files).strip()
+  if synthetic and c.data.max_answer_len + 1 > c.rollout.max_new_tokens:
     raise ConfigError(
         f"data.max_answer_len={c.data.max_answer_len} needs rollout.max_new_tokens >="
         f" {c.data.max_answer_len + 1} (answer + EOS)"
     )
-  if c.data.max_prompt_len + 1 > c.rollout.max_prefill_length:
+  if synthetic and c.data.max_prompt_len + 1 > c.rollout.max_prefill_length:
     raise ConfigError(
         f"data.max_prompt_len={c.data.max_prompt_len} needs rollout.max_prefill_length >="
         f" {c.data.max_prompt_len + 1} (prompt + BOS)"
     )
+  if c.data.prompt_template not in ("raw", "chat"):
+    raise ConfigError(f"config.data.prompt_template={c.data.prompt_template!r} must be raw or chat")
+  if c.data.prompt_template == "chat" and not c.model.hf_path:
+    raise ConfigError("config.data.prompt_template=chat needs model.hf_path (a tokenizer with a"
+                      " chat template); the native character model takes raw prompts")
+  if c.data.on_bad_row not in ("skip", "error"):
+    raise ConfigError(f"config.data.on_bad_row={c.data.on_bad_row!r} must be skip or error")
+  if not c.model.hf_path:
+    missing = [k for k, v in c.model.items() if v is None]
+    if missing:
+      raise ConfigError(f"config.model.{missing[0]} is unset: set model.hf_path to take the"
+                        " architecture from a Hugging Face checkpoint, or set the field")
+  from jax_dora.rewards import reward_names  # pylint: disable=g-import-not-at-top
+
+  names = [n.strip() for n in str(c.reward.functions).split(",") if n.strip()]
+  unknown = [n for n in names if n not in reward_names()]
+  if not names or unknown:
+    raise ConfigError(f"config.reward.functions={c.reward.functions!r}: unknown {unknown or '(empty)'};"
+                      f" known rewards: {reward_names()}")
+  weights = [w for w in str(c.reward.weights).split(",") if w.strip()]
+  if weights and len(weights) != len(names):
+    raise ConfigError(f"config.reward.weights has {len(weights)} entries for {len(names)} functions")
+  if c.reward.timeout_s <= 0:
+    raise ConfigError("config.reward.timeout_s must be > 0")
+  if c.learner.micro_batch_size < 0 or c.learner.logprob_chunk_size < 0:
+    raise ConfigError("config.learner.micro_batch_size and logprob_chunk_size must be >= 0")
+  batch = c.learner.groups_per_step * c.learner.group_size
+  if c.learner.micro_batch_size and batch % c.learner.micro_batch_size:
+    raise ConfigError(f"config.learner.micro_batch_size={c.learner.micro_batch_size} does not"
+                      f" divide the batch of {batch} trajectories (groups_per_step x group_size)")
+  from jax_dora.model.transformer import REMAT_POLICIES  # pylint: disable=g-import-not-at-top
+
+  if c.learner.remat not in REMAT_POLICIES:
+    raise ConfigError(f"config.learner.remat={c.learner.remat!r} is not one of {sorted(REMAT_POLICIES)}")
+  dps = c.rollout.devices_per_server
+  if c.rollout.tensor_parallel < 1 or (dps > 0 and dps % c.rollout.tensor_parallel):
+    raise ConfigError(f"config.rollout.tensor_parallel={c.rollout.tensor_parallel} must divide"
+                      f" rollout.devices_per_server={c.rollout.devices_per_server}")
   try:
     from jax_dora.learner.batching import parse_buckets  # pylint: disable=g-import-not-at-top
 

@@ -26,12 +26,11 @@ from etils import epath
 
 from jax_dora.config import ConfigError, validate
 from jax_dora.distributed import maybe_initialize_distributed
-from jax_dora.data import PromptStream, make_eval_prompts
+from jax_dora.data import PromptStream, load_file_splits, make_eval_prompts, uses_files
 from jax_dora.learner.batching import parse_buckets
 from jax_dora.learner.mesh import make_mesh, split_devices
 from jax_dora.learner.train_state import Learner
 from jax_dora.metrics.jsonl import MetricsWriter
-from jax_dora.model import CharTokenizer, ModelConfig
 from jax_dora.orchestrator.dispatch import Dispatcher
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.run_checkpoint import (
@@ -40,8 +39,9 @@ from jax_dora.orchestrator.run_checkpoint import (
     prompt_to_json,
 )
 from jax_dora.orchestrator.runner import Orchestrator
+from jax_dora.policy import PolicySpec, resolve_policy
+from jax_dora.rewards import RewardScorer
 from jax_dora.snapshots import SnapshotPublisher
-from jax_dora.tasks import get_task
 from jax_dora.types import Prompt
 
 log = logging.getLogger("jax_dora")
@@ -99,10 +99,6 @@ def learner_candidate_devices(procs: set[int] | None) -> list[jax.Device]:
   return [d for d in jax.devices() if d.process_index in procs]
 
 
-def score(prompt: Prompt, completion_text: str) -> float:
-  return get_task(prompt.task).score(prompt, completion_text)
-
-
 @dataclasses.dataclass
 class RunPaths:
   output_dir: epath.Path
@@ -111,13 +107,24 @@ class RunPaths:
   metrics: epath.Path
   trained_log: epath.Path
   summary: epath.Path
+  # What ``python -m jax_dora.export`` needs to rebuild the policy later.
+  run_config: epath.Path
+  model_config: epath.Path
 
   @classmethod
   def from_config(cls, cfg: ml_collections.ConfigDict) -> RunPaths:
     out = epath.Path(cfg.output_dir)
     snaps = epath.Path(cfg.snapshots.directory) if cfg.snapshots.directory else out / "snapshots"
     return cls(out, snaps, out / "checkpoints", out / "metrics.jsonl",
-               out / "trained_samples.jsonl", out / "summary.json")
+               out / "trained_samples.jsonl", out / "summary.json", out / "config.json",
+               out / "model_config.json")
+
+
+def write_run_metadata(paths: RunPaths, cfg: ml_collections.ConfigDict, policy: PolicySpec) -> None:
+  """The run config and resolved model config, beside the checkpoints that need them."""
+  paths.run_config.write_text(cfg.to_json_best_effort(indent=2, sort_keys=True))
+  paths.model_config.write_text(json.dumps(
+      {"model": policy.model_cfg.to_dict(), "hf_path": policy.hf_path}, indent=2, sort_keys=True))
 
 
 def wait_for_servers(addresses: str, timeout_s: float) -> None:
@@ -146,7 +153,8 @@ def wait_for_servers(addresses: str, timeout_s: float) -> None:
         log.warning("rollout server %s not reachable after %.0fs", a, timeout_s)
 
 
-def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Device]):
+def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Device],
+                          policy: PolicySpec | None = None):
   if cfg.rollout.server_addresses:
     from jax_dora.rollout.client import connect_all  # pylint: disable=g-import-not-at-top
 
@@ -155,7 +163,7 @@ def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Devic
     return clients
   from jax_dora.rollout.embedded import build_embedded_servers  # pylint: disable=g-import-not-at-top
 
-  return build_embedded_servers(cfg, str(snapshot_dir), devices)
+  return build_embedded_servers(cfg, str(snapshot_dir), devices, policy)
 
 
 def run_async(main: Callable[[], Any]) -> Any:
@@ -186,8 +194,9 @@ def run_training(
   paths = RunPaths.from_config(cfg)
   paths.output_dir.mkdir(parents=True, exist_ok=True)
 
-  tokenizer = CharTokenizer()
-  model_cfg = ModelConfig.from_config_dict(cfg.model, vocab_size=tokenizer.vocab_size)
+  policy = resolve_policy(cfg)
+  write_run_metadata(paths, cfg, policy)
+  tokenizer = policy.tokenizer
   remote = bool(cfg.rollout.server_addresses)
   n_rollout = 0 if remote else cfg.rollout.num_servers * cfg.rollout.devices_per_server
   procs = learner_processes(cfg)
@@ -206,22 +215,34 @@ def run_training(
   log.info("mode=%s learner mesh %s on %d devices; %s rollout", cfg.mode, dict(mesh.shape),
            len(learner_devs), "remote" if remote else f"{len(rollout_devs)} embedded device(s)")
 
-  learner = Learner(
-      model_cfg, cfg.learner, mesh,
-      temperature=cfg.rollout.temperature, seed=cfg.seed,
-  )
-  if cfg.precompile:
-    t0 = time.time()
-    learner.warmup(batch_rows, parse_buckets(str(cfg.learner.seq_len_buckets), cfg.model.max_seq_len))
-    log.info("compiled the train step for every length bucket in %.1fs", time.time() - t0)
-  stream = PromptStream(cfg)
-  eval_prompts = make_eval_prompts(cfg, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
-
   checkpointer = RunCheckpointer(paths.checkpoints, cfg.checkpoint.max_to_keep, processes=procs)
   pending: list[Prompt] = []
   resumed_step = checkpointer.latest_step() if cfg.checkpoint.resume else None
   if not cfg.checkpoint.resume:
     checkpointer.discard_after(0)  # a fresh run starts the directory over
+
+  # An HF checkpoint is read straight onto the learner's shardings, unless a
+  # run checkpoint is about to replace the weights anyway.
+  load = policy.load_params if policy.checkpoint is not None and resumed_step is None else None
+  t0 = time.time()
+  learner = Learner(
+      policy.model_cfg, cfg.learner, mesh,
+      temperature=cfg.rollout.temperature, seed=cfg.seed,
+      suppress_mask=policy.suppress_mask, load_params=load,
+  )
+  if load is not None:
+    log.info("loaded %s onto the learner mesh in %.1fs", policy.hf_path, time.time() - t0)
+  if cfg.precompile:
+    t0 = time.time()
+    learner.warmup(batch_rows, parse_buckets(str(cfg.learner.seq_len_buckets), cfg.model.max_seq_len))
+    log.info("compiled the train step for every length bucket in %.1fs", time.time() - t0)
+  stream = PromptStream(cfg, tokenizer)
+  eval_prompts = (make_eval_prompts(cfg, cfg.eval.num_prompts, tokenizer)
+                  if cfg.eval.num_prompts else [])
+  if uses_files(cfg):
+    splits = load_file_splits(cfg, tokenizer)
+    log.info("data: %d train / %d eval records of %s (%s)", len(splits.train), len(splits.eval),
+             cfg.data.format, "nothing skipped" if not splits.skipped else f"skipped {splits.skipped}")
   if resumed_step is not None:
     state, meta = checkpointer.restore(resumed_step, learner.state)
     learner.state = state
@@ -250,7 +271,8 @@ def run_training(
         "pending_prompts": [prompt_to_json(p) for p in pending_prompts],
     })
 
-  clients = build_rollout_clients(cfg, paths.snapshots, rollout_devs)
+  clients = build_rollout_clients(cfg, paths.snapshots, rollout_devs, policy)
+  scorer = RewardScorer.from_config(cfg)
   dispatcher = Dispatcher(
       clients,
       max_failures_per_server=1,
@@ -270,7 +292,7 @@ def run_training(
         dispatcher=dispatcher,
         prompt_source=stream,
         tokenizer=tokenizer,
-        score_fn=score,
+        scorer=scorer,
         metrics=metrics,
         ledger=ledger,
         eval_prompts=eval_prompts,
@@ -285,6 +307,7 @@ def run_training(
         return await orch.run()
       finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        scorer.close()
 
     summary = run_async(main)
   if progress is not None:
@@ -293,6 +316,9 @@ def run_training(
   publisher.close()
   checkpointer.close()
   summary["output_dir"] = str(paths.output_dir)
+  summary["reward_failures"] = scorer.metrics()
+  if uses_files(cfg):
+    summary["data_rows_skipped"] = load_file_splits(cfg, tokenizer).skipped
   paths.summary.write_text(json.dumps(summary, indent=2, default=str))
   log.info("done: %s", json.dumps(summary, default=str))
   if summary["integrity_violations"]:

@@ -94,7 +94,7 @@ class Orchestrator:
       dispatcher: Dispatcher,
       prompt_source: Any,
       tokenizer: Any,
-      score_fn: Callable[[Prompt, str], float],
+      scorer: Any,
       metrics: Any,
       ledger: IntegrityLedger,
       eval_prompts: Sequence[Prompt] = (),
@@ -110,7 +110,9 @@ class Orchestrator:
     self.dispatcher = dispatcher
     self.prompt_source = prompt_source
     self.tokenizer = tokenizer
-    self.score_fn = score_fn
+    # Awaitable ``score(prompt, completion_text) -> float``
+    # (``jax_dora.rewards.RewardScorer``): verifiers may run in worker processes.
+    self.scorer = scorer
     self.metrics = metrics
     self.ledger = ledger
     self.eval_prompts = list(eval_prompts)
@@ -170,8 +172,8 @@ class Orchestrator:
     return p
 
   def _prompt_tokens(self, p: Prompt) -> np.ndarray:
-    ids, _ = self.tokenizer.encode(p.text, is_bos=True)
-    return np.asarray(ids, np.int32)
+    # BOS / chat template as the tokenizer defines them for prompts.
+    return np.asarray(self.tokenizer.encode_prompt(p.text), np.int32)
 
   def _length_budget(self, p: Prompt) -> tuple[int, bool]:
     """``(max_new_tokens, ignore_eos)`` for a request on ``p`` (``rollout.length_mode``)."""
@@ -206,7 +208,8 @@ class Orchestrator:
       if self._stop:
         return traj
     traj.finish_version = self.version
-    traj.reward = float(self.score_fn(prompt, self.tokenizer.decode(traj.completion_tokens.tolist())))
+    traj.reward = float(await self.scorer.score(
+        prompt, self.tokenizer.decode(traj.completion_tokens.tolist())))
     self._generated_tokens += traj.num_completion_tokens
     self.ledger.finished(traj)
     return traj
@@ -356,6 +359,8 @@ class Orchestrator:
         "wall_time_s": elapsed,
     }
     rec.update({f"train/{k}": v for k, v in train_metrics.items()})
+    # Verifier timeouts / crashes / errors so far (each scored 0).
+    rec.update(self.scorer.metrics())
     return rec
 
   # --------------------------------------------------------------- telemetry
@@ -394,7 +399,8 @@ class Orchestrator:
       res = await self.dispatcher.run(
           p, self._prompt_tokens(p), 0, budget, tag="eval", ignore_eos=ignore_eos
       )
-      return float(self.score_fn(p, self.tokenizer.decode(np.asarray(res.completion_tokens).tolist())))
+      return float(await self.scorer.score(
+          p, self.tokenizer.decode(np.asarray(res.completion_tokens).tolist())))
 
     rewards = np.asarray(await asyncio.gather(*(one(p) for p in self.eval_prompts)), np.float64)
     # Standard error of the mean: what a difference between two evals (two

@@ -156,13 +156,19 @@ class EmbeddedRolloutClient:
 
 
 def build_embedded_servers(
-    config, snapshot_dir: str, devices: Sequence[jax.Device]
+    config, snapshot_dir: str, devices: Sequence[jax.Device], policy=None
 ) -> list[EmbeddedRolloutClient]:
   """``config.rollout.num_servers`` drivers on disjoint slices of ``devices``.
 
   Each server gets ``devices_per_server`` consecutive devices. With a single
   device (plain CPU) all servers share it, which is the only overlap allowed.
+  ``policy``: the run's resolved ``jax_dora.policy.PolicySpec`` (resolved
+  from ``config`` when not given).
   """
+  if policy is None:
+    from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
+
+    policy = resolve_policy(config)
   r = config.rollout
   n, per = int(r.num_servers), max(1, int(r.devices_per_server))
   devices = list(devices)
@@ -179,7 +185,7 @@ def build_embedded_servers(
   loader = SharedSnapshotLoader(SnapshotReader(snapshot_dir))
   clients = []
   for i, devs in enumerate(slices):
-    engine = build_engine(config, devs, seed=next(seeds))
+    engine = build_engine(config, devs, seed=next(seeds), policy=policy)
     driver = RolloutDriver(
         engine, snapshot_dir, max_versions=r.max_versions, name=f"server{i}",
         load_fn=functools.partial(loader.load, engine),
