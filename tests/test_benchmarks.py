@@ -41,3 +41,18 @@ def test_modes_benchmark_rejects_unknown_flags():
   proc = subprocess.run([sys.executable, "benchmarks/modes.py", "--bogus=1"], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode != 0 and "config overrides look like --config.x=y" in proc.stderr
+
+
+def test_learner_memory_benchmark_chunked_below_naive():
+  """Small sizes (the full benchmark is V=151,936, T=2,048): the chunked step's
+  temporaries are below the naive step's and close to the two-term prediction."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import learner_memory  # pylint: disable=g-import-not-at-top
+
+  res = learner_memory.main(["--vocab=20000", "--seq_len=513", "--rows=2", "--chunk=64",
+                             "--d_model=64"])
+  names = [n for n in res if n != "model"]
+  naive, chunked, micro = (res[n]["temp"] for n in names[:3])
+  assert chunked < naive / 2 and micro <= chunked
+  predicted = res["model"]["predicted_chunked_temp"]
+  assert abs(chunked - predicted) / predicted < 0.35, res

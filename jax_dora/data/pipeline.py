@@ -64,6 +64,7 @@ Config fields (``cfg.data``, defaults in :func:`jax_dora.data.default_data_confi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -165,17 +166,9 @@ class FileSplits:
   fmt: RecordFormat
   train: RecordTable
   eval: RecordTable
-  overlong: int  # prompts dropped for exceeding the prefill length
-
-  @property
-  def skipped(self) -> dict[str, int]:
-    """Rows left out, by reason (bad rows of every file, overlong prompts)."""
-    out = dict(self.train.skipped)
-    for k, v in self.eval.skipped.items():
-      out[k] = out.get(k, 0) + v
-    if self.overlong:
-      out["prompt longer than rollout.max_prefill_length"] = self.overlong
-    return out
+  # Rows left out, by reason: bad rows of every file read, overlong prompts.
+  skipped: dict[str, int]
+  overlong: int
 
 
 def _split_heldout(table: RecordTable, fmt: RecordFormat, frac: float) -> tuple[list[int], list[int]]:
@@ -197,8 +190,10 @@ def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileS
   d = json.loads(key)
   fmt = get_format(d["format"], d["prompt_field"], d["answer_field"])
   train = read_records(_split_list(d["train_files"], str), fmt, d["on_bad_row"])
+  skipped = collections.Counter(train.skipped)
   if d["eval_files"]:
     evals = read_records(_split_list(d["eval_files"], str), fmt, d["on_bad_row"])
+    skipped.update(evals.skipped)
   else:
     keep, held = _split_heldout(train, fmt, float(d["heldout_fraction"]))
     if not keep or not held:
@@ -217,7 +212,9 @@ def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileS
     raise DatasetError(
         f"no {'training' if not len(train) else 'eval'} prompt fits rollout.max_prefill_length="
         f"{max_tokens} tokens")
-  return FileSplits(fmt, train, evals, overlong)
+  if overlong:
+    skipped["prompt longer than rollout.max_prefill_length"] = overlong
+  return FileSplits(fmt, train, evals, dict(skipped), overlong)
 
 
 def _files_key(d: ml_collections.ConfigDict) -> str:

@@ -223,20 +223,28 @@ class Learner:
     compilation cache that later calls hit.
     """
     for seq_len in sorted(set(int(s) for s in seq_lens)):
-      t = seq_len - 1
+      self.compile_step(batch_rows, seq_len)
 
-      def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+  def compile_step(self, batch_rows: int, seq_len: int) -> Any:
+    """The compiled train step for ``[batch_rows, seq_len]`` rows (nothing runs).
 
-      batch = {
-          "inputs": spec((batch_rows, t), jnp.int32),
-          "targets": spec((batch_rows, t), jnp.int32),
-          "positions": spec((batch_rows, t), jnp.int32),
-          "mask": spec((batch_rows, t), jnp.float32),
-          "behaviour_logprobs": spec((batch_rows, t), jnp.float32),
-          "advantages": spec((batch_rows,), jnp.float32),
-      }
-      self._step_fn.lower(self.state, batch).compile()
+    Its ``memory_analysis()`` is XLA's buffer assignment for the step: what
+    ``benchmarks/learner_memory.py`` compares across memory settings.
+    """
+    t = int(seq_len) - 1
+
+    def spec(shape, dtype):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+
+    batch = {
+        "inputs": spec((batch_rows, t), jnp.int32),
+        "targets": spec((batch_rows, t), jnp.int32),
+        "positions": spec((batch_rows, t), jnp.int32),
+        "mask": spec((batch_rows, t), jnp.float32),
+        "behaviour_logprobs": spec((batch_rows, t), jnp.float32),
+        "advantages": spec((batch_rows,), jnp.float32),
+    }
+    return self._step_fn.lower(self.state, batch).compile()
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Places a host batch on the learner mesh (batch dim over data x fsdp)."""

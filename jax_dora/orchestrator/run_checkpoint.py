@@ -111,5 +111,24 @@ class RunCheckpointer:
     )
     return out.state, dict(out.meta)
 
+  def all_steps(self) -> list[int]:
+    self._manager.reload()
+    return sorted(self._manager.all_steps())
+
+  def restore_unsharded(self, step: int) -> dict[str, Any]:
+    """The saved train state of ``step`` as nested dicts on this host's first device.
+
+    For tools without a learner (export): the shapes come from the
+    checkpoint's own metadata, not from a live ``TrainState``.
+    """
+    meta = self._manager.item_metadata(step)["state"]
+    tree = meta.tree if hasattr(meta, "tree") else meta
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+    out = self._manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    return out.state
+
   def close(self) -> None:
     self._manager.close()

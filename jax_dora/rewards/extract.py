@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_GSM8K = re.compile(r"####\s*([^\n]+)")
+_GSM8K = re.compile(r"####[ \t]*(\S+)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -35,11 +35,12 @@ def last_boxed(text: str) -> str | None:
 
 
 def hash_answer(text: str) -> str | None:
-  """GSM8K's ``#### N`` final answer (the last one), commas and a trailing period dropped."""
+  """GSM8K's ``#### N`` final answer (the last marker's first word), with a leading
+  ``$``, a trailing period and thousands separators dropped."""
   hits = _GSM8K.findall(text)
   if not hits:
     return None
-  ans = hits[-1].strip().rstrip(".").replace(",", "").strip()
+  ans = hits[-1].lstrip("$").rstrip(".").replace(",", "")
   return ans or None
 
 

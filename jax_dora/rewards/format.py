@@ -11,20 +11,22 @@ from __future__ import annotations
 import re
 
 from jax_dora.rewards.base import register
-from jax_dora.rewards.extract import hash_answer, last_boxed_span
+from jax_dora.rewards.extract import last_boxed_span
 from jax_dora.types import Prompt
 
 _TRAILING_OK = re.compile(r"[\s.$\\)\]]*")
+_HASH_MARK = re.compile(r"####[ \t]*\S+")
 
 
 @register("format")
 def format_reward(prompt: Prompt, completion: str) -> float:
   del prompt
   span = last_boxed_span(completion)
+  marks = list(_HASH_MARK.finditer(completion))
   if span is not None:
     end = span[1]
-  elif hash_answer(completion) is not None:
-    end = len(completion.rstrip())
+  elif marks:
+    end = marks[-1].end()
   else:
     return 0.0
   return 1.0 if _TRAILING_OK.fullmatch(completion[end:]) else 0.0

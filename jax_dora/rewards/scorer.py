@@ -40,10 +40,14 @@ def _init_worker() -> None:
     pass
 
 
-def _call_reward(name: str, prompt: Prompt, completion: str) -> float:
-  """Worker-side entry point: looks the function up by name (functions are not pickled)."""
+def _call_reward(name: str, module: str, prompt: Prompt, completion: str) -> float:
+  """Worker-side entry point: imports the module that registers ``name`` (a user's
+  own reward module too), then looks the function up by name."""
+  import importlib  # pylint: disable=g-import-not-at-top
+
   import jax_dora.rewards  # pylint: disable=g-import-not-at-top,unused-import
 
+  importlib.import_module(module)
   return float(get_reward(name).fn(prompt, completion))
 
 
@@ -109,7 +113,8 @@ class RewardScorer:
 
   def _schedule(self, reward: Reward, prompt: Prompt, completion: str) -> concurrent.futures.Future:
     return self._get_pool().schedule(
-        _call_reward, args=(reward.name, prompt, completion), timeout=self.timeout_s)
+        _call_reward, args=(reward.name, reward.fn.__module__, prompt, completion),
+        timeout=self.timeout_s)
 
   def _failed(self, reward: Reward, kind: str, prompt: Prompt, err: BaseException | str) -> float:
     key = f"{reward.name}/{kind}"

@@ -1,0 +1,253 @@
+"""Imported Llama / Qwen2 / Qwen3 checkpoints against ``transformers``' reference models.
+
+The oracle is the independent implementation: the same weights run through
+``transformers`` (CPU torch, float32). Our side goes through the real import
+path (config.json -> ModelConfig, safetensors shards read slice by slice onto
+a sharded mesh), the real rollout engine (prefill, KV-cache decode, the fused
+multi-version step, tensor parallelism) and the real export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import _hf
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from safetensors.numpy import load_file
+
+from jax_dora.learner.mesh import LOGICAL_AXIS_RULES, make_mesh
+from jax_dora.model import Transformer, param_logical_specs
+from jax_dora.model.families import UnsupportedCheckpointError
+from jax_dora.model.hf_checkpoint import (
+    CheckpointError,
+    load_params,
+    model_config_from_checkpoint,
+    open_checkpoint,
+)
+from jax_dora.model.hf_export import export_hf
+from jax_dora.model.hf_tokenizer import HFTokenizer
+from jax_dora.rollout.engine import DoraEngine, MultiVersionParams
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def _torch_model(path):
+  import transformers
+
+  return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+
+
+def _learner_shardings(cfg):
+  """The learner's layout on a (data=2, fsdp=2, tensor=2) mesh: every param split somewhere."""
+  import flax.linen as nn
+
+  mesh = make_mesh(jax.devices()[:8], data=2, fsdp=2, tensor=2)
+  with nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    return nn.logical_to_mesh_sharding(param_logical_specs(cfg), mesh, LOGICAL_AXIS_RULES)
+
+
+def _never_sampled(tok_dir: str, vocab: int) -> list[int]:
+  """Written from the tokenizer files, independently of HFTokenizer: specials that
+  are not stop ids (generation_config.json), and the padded vocabulary rows."""
+  import transformers
+
+  t = transformers.AutoTokenizer.from_pretrained(tok_dir)
+  with open(os.path.join(tok_dir, "generation_config.json")) as f:
+    stops = set(json.load(f)["eos_token_id"])
+  return sorted(set(t.all_special_ids) - stops) + list(range(len(t), vocab))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_transformers(hf_dirs, family):
+  ckpt = open_checkpoint(hf_dirs[family])
+  assert len({f for f in ckpt.weight_map.values()}) > 1, "expected a sharded checkpoint"
+  cfg = model_config_from_checkpoint(ckpt, max_seq_len=64)
+  assert cfg.n_kv_heads == 2 and cfg.n_heads == 4
+  params = load_params(ckpt, cfg, _learner_shardings(cfg))
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 23))
+  ours = Transformer(cfg).apply({"params": params}, tokens, np.broadcast_to(np.arange(23), (2, 23)))
+  ref = _hf.reference_logits(_torch_model(hf_dirs[family]), tokens)
+  np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_decode_matches_transformers_for_two_versions(hf_dirs, family):
+  """Greedy KV-cache decode through the engine (2-way tensor parallel, two live versions
+  in one fused step) equals ``transformers``' forward: tokens are its argmax, log-probs
+  its log-softmax, suppressed ids excluded."""
+  import torch
+
+  other = hf_dirs["qwen2_b"] if family == "qwen2" else hf_dirs["qwen2"]
+  paths = {1: hf_dirs[family], 2: other if family == "qwen2" else hf_dirs[family]}
+  tok = HFTokenizer(hf_dirs[family], "chat")
+  ckpts = {v: open_checkpoint(p) for v, p in paths.items()}
+  cfg = model_config_from_checkpoint(ckpts[1], max_seq_len=96)
+  engine = DoraEngine(cfg, tok, num_slots=4, max_prefill_length=32, temperature=0.0,
+                      devices=jax.devices()[4:6], tensor_parallel=2)
+  params = {v: load_params(c, model_config_from_checkpoint(c, max_seq_len=96), engine.param_sharding)
+            for v, c in ckpts.items()}
+  if family != "qwen2":  # a second, different version of the same architecture
+    params[2] = jax.tree.map(lambda x: x * 1.1, params[1])
+  mv = MultiVersionParams(params, (1, 2))
+  prompts = [tok.encode_prompt(t) for t in ("What is 12 + 30?", "Natalia sold 48 clips.",
+                                             "How many clips?")]
+  pins = [1, 2, 1]
+  state = engine.init_decode_state()
+  out = {}
+  for slot, (p, v) in enumerate(zip(prompts, pins)):
+    padded, n = engine.pad_tokens(p)
+    prefix = engine.prefill(params=mv, padded_tokens=padded, true_length=n, version=v)
+    state = engine.insert(prefix, state, slot)
+    out[slot] = ([int(prefix.token)], [float(prefix.logprob)])
+  for _ in range(12):
+    state, res = engine.generate(mv, state)
+    res = res.convert_to_numpy()
+    for slot in out:
+      out[slot][0].append(int(res.get_result_at_slot(slot).tokens[0, 0]))
+      out[slot][1].append(float(res.get_logprobs_at_slot(slot)[0]))
+
+  never = _never_sampled(hf_dirs[family], cfg.vocab_size)
+  torch_models = {1: _torch_model(paths[1])}
+  if family == "qwen2":
+    torch_models[2] = _torch_model(paths[2])
+  else:
+    m2 = _torch_model(paths[1])
+    with torch.no_grad():
+      for prm in m2.parameters():
+        prm.mul_(1.1)
+    torch_models[2] = m2
+  for slot, (p, v) in enumerate(zip(prompts, pins)):
+    toks, lps = out[slot]
+    seq = np.concatenate([p, toks])
+    logits = _hf.reference_logits(torch_models[v], seq[None])[0]
+    logits[:, never] = -np.inf
+    logp = torch.log_softmax(torch.from_numpy(logits), dim=-1).numpy()
+    n = len(p)
+    np.testing.assert_array_equal(toks, logp[n - 1:len(seq) - 1].argmax(-1))
+    np.testing.assert_allclose(lps, logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=2e-4)
+    assert not set(toks) & set(never)
+
+
+def test_import_export_round_trip_is_bit_exact_and_transformers_loads_it(hf_dirs, tmp_path):
+  src = str(tmp_path / "bf16")
+  _hf.build_model("qwen3", src, hf_dirs["tokenizer"], seed=3, dtype="bfloat16", shard=False)
+  ckpt = open_checkpoint(src)
+  assert ckpt.torch_dtype == "bfloat16"
+  cfg = model_config_from_checkpoint(ckpt, max_seq_len=64)  # float32 params
+  mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+  params = load_params(ckpt, cfg, NamedSharding(mesh, P()))
+  out = export_hf(params, cfg, str(tmp_path / "out"), source_dir=src, max_shard_bytes=60_000)
+  assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+  orig = load_file(os.path.join(src, "model.safetensors"))
+  exported = {}
+  for f in sorted(os.listdir(out)):
+    if f.endswith(".safetensors"):
+      exported.update(load_file(os.path.join(out, f)))
+  assert set(exported) == set(orig)
+  for name, a in orig.items():
+    b = exported[name]
+    assert b.dtype == a.dtype == ml_dtypes.bfloat16 and b.shape == a.shape, name
+    assert a.tobytes() == b.tobytes(), f"{name} differs after import -> export"
+  # transformers loads the export; its float32 forward equals ours.
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(1, 17))
+  ref = _hf.reference_logits(_torch_model(out), tokens)
+  ours = Transformer(cfg).apply({"params": params}, tokens, np.arange(17)[None])
+  np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-5, rtol=1e-4)
+  assert HFTokenizer(out, "chat").encode_prompt("2+2?").tolist() == \
+      HFTokenizer(src, "chat").encode_prompt("2+2?").tolist()
+
+
+def test_native_model_exports_as_llama_that_transformers_runs(tmp_path):
+  from jax_dora.model import CharTokenizer, ModelConfig, init_params
+
+  cfg = ModelConfig(vocab_size=CharTokenizer().vocab_size, d_model=32, n_layers=2, n_heads=4,
+                    d_ff=64, max_seq_len=32)
+  params = init_params(cfg, jax.random.PRNGKey(4))
+  out = export_hf(params, cfg, str(tmp_path / "native"))
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+  tokens = np.arange(3, 20)[None]
+  ref = _hf.reference_logits(_torch_model(out), tokens)
+  ours = Transformer(cfg).apply({"params": params}, tokens, np.arange(17)[None])
+  np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-5, rtol=1e-4)
+
+
+def _copy(src: str, dst) -> str:
+  shutil.copytree(src, dst)
+  return str(dst)
+
+
+def test_bad_checkpoints_fail_loudly_naming_the_file(hf_dirs, tmp_path):
+  good = hf_dirs["qwen2"]
+  mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+  rep = NamedSharding(mesh, P())
+
+  # A shard listed in the index is missing.
+  d = _copy(good, tmp_path / "missing")
+  with open(os.path.join(d, "model.safetensors.index.json")) as f:
+    victim = sorted(set(json.load(f)["weight_map"].values()))[1]
+  os.remove(os.path.join(d, victim))
+  with pytest.raises(CheckpointError, match=f"{victim} is missing"):
+    open_checkpoint(d)
+
+  # A truncated shard.
+  d = _copy(good, tmp_path / "truncated")
+  path = os.path.join(d, victim)
+  with open(path, "rb") as f:
+    data = f.read()
+  with open(path, "wb") as f:
+    f.write(data[: len(data) // 2])
+  with pytest.raises(CheckpointError, match=f"{victim} is corrupt or truncated"):
+    open_checkpoint(d)
+
+  # config.json disagrees with the tensors.
+  d = _copy(good, tmp_path / "shape")
+  with open(os.path.join(d, "config.json")) as f:
+    conf = json.load(f)
+  conf["intermediate_size"] = 128
+  with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump(conf, f)
+  ckpt = open_checkpoint(d)
+  with pytest.raises(CheckpointError, match=r"mlp\.(gate|up|down)_proj\.weight has shape"):
+    load_params(ckpt, model_config_from_checkpoint(ckpt, max_seq_len=32), rep)
+
+  # An architecture we do not implement.
+  d = _copy(good, tmp_path / "gpt2")
+  conf["model_type"], conf["architectures"] = "gpt2", ["GPT2LMHeadModel"]
+  with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump(conf, f)
+  with pytest.raises(UnsupportedCheckpointError, match="unknown architecture: model_type='gpt2'"):
+    open_checkpoint(d)
+
+  # An explicit run-config value that disagrees with config.json.
+  with pytest.raises(CheckpointError, match=r"model\.d_model=128 in the run config.*gives 64"):
+    model_config_from_checkpoint(open_checkpoint(good), {"d_model": 128}, max_seq_len=32)
+
+  # No config.json at all.
+  d = _copy(good, tmp_path / "noconf")
+  os.remove(os.path.join(d, "config.json"))
+  with pytest.raises(CheckpointError, match="config.json does not exist"):
+    open_checkpoint(d)
+
+
+def test_bf16_activations_and_cache_stay_close_to_float32(hf_dirs):
+  """dtype=bfloat16: bf16 activations and KV cache, float32 logits; close to float32."""
+  ckpt = open_checkpoint(hf_dirs["qwen3"])
+  f32 = model_config_from_checkpoint(ckpt, max_seq_len=64)
+  bf16 = model_config_from_checkpoint(ckpt, max_seq_len=64, param_dtype="bfloat16", dtype="bfloat16")
+  rep = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("x",)), P())
+  p32, p16 = load_params(ckpt, f32, rep), load_params(ckpt, bf16, rep)
+  assert jax.tree.leaves(p16)[0].dtype == jnp.bfloat16
+  tokens = np.arange(5, 25)[None]
+  pos = np.arange(20)[None]
+  a = Transformer(f32).apply({"params": p32}, tokens, pos)
+  b = Transformer(bf16).apply({"params": p16}, tokens, pos)
+  assert b.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.05)

@@ -1,0 +1,123 @@
+"""End to end on the real-model path: an HF-format Qwen2 checkpoint, its BPE tokenizer and
+chat template, a GSM8K-format JSONL file and the math-verify reward, in ``sync`` and
+``dora_pace``, on 8 forced host devices (learner and rollout disjoint), then export.
+
+The model is tiny and random, so rewards are near zero: what is checked is that the
+whole path runs and keeps its guarantees (integrity audit clean, every trained
+completion free of suppressed ids, prompts built with the chat template, the
+exported checkpoint loading in ``transformers`` with the trained weights).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import _hf
+import numpy as np
+import pytest
+
+from jax_dora.config import base_config, hf_model_config
+from jax_dora.orchestrator.integrity import IntegrityLedger, read_log
+from jax_dora.runtime import run_training
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _gsm8k_file(path: pathlib.Path) -> str:
+  rows = [{"question": f"Tom has {i} apples, buys {i % 7 + 1}. Total?",
+           "answer": f"{i} + {i % 7 + 1} = {i + i % 7 + 1}\n#### {i + i % 7 + 1}"}
+          for i in range(120)]
+  rows.append({"question": "a row without an answer"})
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def real_model_config(hf_dir: str, tmp_path: pathlib.Path, mode: str):
+  cfg = base_config()
+  cfg.mode = mode
+  cfg.output_dir = str(tmp_path / mode)
+  cfg.total_steps = 3
+  cfg.progress_bar = False
+  cfg.model = hf_model_config(hf_dir, max_seq_len=160)
+  cfg.data.train_files = _gsm8k_file(tmp_path / "gsm8k_train.jsonl")
+  cfg.data.format = "gsm8k"
+  cfg.data.prompt_template = "chat"
+  cfg.data.prompt_suffix = " Answer after ####."
+  cfg.data.heldout_fraction = 0.1
+  cfg.reward.functions = "math_verify,format"
+  cfg.reward.weights = "1.0,0.1"
+  cfg.rollout.max_prefill_length = 80
+  cfg.rollout.max_new_tokens = 32
+  cfg.rollout.slots = 8
+  cfg.learner.group_size = 4
+  cfg.learner.groups_per_step = 4
+  cfg.learner.seq_len_buckets = "128"
+  cfg.learner.logprob_chunk_size = 32  # the chunked path, on 3 chunks of a 96-token row
+  cfg.learner.micro_batch_size = 8
+  cfg.learner.learning_rate = 1e-3
+  cfg.eval.num_prompts = 6
+  cfg.eval.every_steps = 0
+  return cfg
+
+
+@pytest.mark.parametrize("mode", ["sync", "dora_pace"])
+def test_hf_model_trains_on_gsm8k_file_with_math_verify(hf_dirs, tmp_path, mode):
+  cfg = real_model_config(hf_dirs["qwen2"], tmp_path, mode)
+  summary = run_training(cfg)
+  assert summary["steps"] == 3
+  assert summary["integrity_violations"] == []
+  assert summary["data_rows_skipped"] == {"no answer field 'answer'": 1}
+  assert summary["reward_failures"] == {}
+  run = pathlib.Path(cfg.output_dir)
+  ledger = IntegrityLedger.from_log(run / "trained_samples.jsonl", group_size=4,
+                                    max_staleness=cfg.orchestrator.max_staleness)
+  assert ledger.check() == []
+  assert len(ledger.trained_records()) == 3 * 16
+  recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in recs] == [1, 2, 3]
+  assert all(np.isfinite(r["train/loss"]) for r in recs)
+  if mode == "sync":
+    # On-policy first step: the learner's log-probs equal the sampler's (same
+    # masked distribution), so every importance ratio is 1.
+    assert abs(recs[0]["train/ratio_mean"] - 1.0) < 1e-4
+  model_cfg = json.loads((run / "model_config.json").read_text())
+  assert model_cfg["hf_path"] == hf_dirs["qwen2"] and model_cfg["model"]["n_kv_heads"] == 2
+  entries = [e for e in read_log(run / "trained_samples.jsonl") if e.get("event") == "trained"]
+  assert entries, "no trained entries in the log"
+
+
+def test_exported_policy_loads_in_transformers_with_the_trained_weights(hf_dirs, tmp_path):
+  import jax
+  import transformers
+
+  from jax_dora.model import ModelConfig, Transformer
+  from jax_dora.snapshots import SnapshotReader
+
+  cfg = real_model_config(hf_dirs["qwen2"], tmp_path, "dora_pace")
+  cfg.total_steps = 2
+  cfg.eval.num_prompts = 0
+  # A random policy earns no reward (zero advantages, zero policy gradient):
+  # weight decay is what moves its weights here.
+  cfg.learner.weight_decay = 0.1
+  cfg.learner.learning_rate = 1e-2
+  run_training(cfg)
+  out = tmp_path / "exported"
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_dora.export", f"--run_dir={cfg.output_dir}", f"--out={out}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "exported policy version 2" in proc.stdout
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype="float32")
+  tok = transformers.AutoTokenizer.from_pretrained(str(out))
+  assert tok.chat_template, "tokenizer files were not exported"
+  params, _ = SnapshotReader(pathlib.Path(cfg.output_dir) / "snapshots").load(2)
+  mcfg = ModelConfig(**json.loads((pathlib.Path(cfg.output_dir) / "model_config.json").read_text())["model"])
+  tokens = np.arange(10, 40)[None]
+  ours = Transformer(mcfg).apply({"params": jax.device_get(params)}, tokens, np.arange(30)[None])
+  np.testing.assert_allclose(np.asarray(ours), _hf.reference_logits(model, tokens), atol=2e-5, rtol=1e-4)
+  # The trained policy differs from the one it started from.
+  start = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["qwen2"], dtype="float32")
+  assert not np.allclose(_hf.reference_logits(start, tokens), _hf.reference_logits(model, tokens))
