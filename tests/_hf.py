@@ -110,7 +110,7 @@ def build_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0,
   return model
 
 
-def reference_logits(model, tokens) -> "np.ndarray":
+def reference_logits(model, tokens):
   """float32 logits of ``transformers``' forward pass on ``tokens[B, T]``."""
   import numpy as np
   import torch

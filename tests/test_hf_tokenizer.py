@@ -7,10 +7,8 @@ on the same files are the oracle.
 
 from __future__ import annotations
 
-import json
 import os
 
-import numpy as np
 import pytest
 import transformers
 

@@ -25,7 +25,6 @@ import os
 from typing import Any
 
 import jax
-import numpy as np
 
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.families import Family, TensorMap, get_family

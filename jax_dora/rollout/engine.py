@@ -33,7 +33,6 @@ prefixes (batch 1) follow the same head split.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
