@@ -287,6 +287,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if not names or unknown:
     raise ConfigError(f"config.reward.functions={c.reward.functions!r}: unknown {unknown or '(empty)'};"
                       f" known rewards: {reward_names()}")
+  if not synthetic and "task" in names:
+    raise ConfigError("config.reward.functions includes 'task', which scores the synthetic tasks;"
+                      " dataset files need a reward such as math_verify")
   weights = [w for w in str(c.reward.weights).split(",") if w.strip()]
   if weights and len(weights) != len(names):
     raise ConfigError(f"config.reward.weights has {len(weights)} entries for {len(names)} functions")

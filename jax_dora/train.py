@@ -28,12 +28,20 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from jax_dora.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jax_dora.data import DatasetError  # pylint: disable=g-import-not-at-top
+  from jax_dora.model.families import UnsupportedCheckpointError  # pylint: disable=g-import-not-at-top
+  from jax_dora.model.hf_checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+  from jax_dora.model.hf_tokenizer import TokenizerLoadError  # pylint: disable=g-import-not-at-top
   from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
 
   try:
     summary = run_training(_CONFIG.value)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except (CheckpointError, UnsupportedCheckpointError, TokenizerLoadError, DatasetError) as e:
+    # Bad input files: the message names the file; a traceback would bury it.
+    print(f"input error: {e}", file=sys.stderr)
     sys.exit(2)
   if summary["integrity_violations"]:
     sys.exit(3)

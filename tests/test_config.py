@@ -54,3 +54,31 @@ def test_main_job_cli_runs_with_relative_output_dir(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = (tmp_path / "runs" / "cli" / "summary.json").read_text()
   assert '"steps": 2' in summary and '"integrity_violations": []' in summary
+
+
+def test_real_model_settings_are_validated():
+  c = base_config()
+  c.data.prompt_template = "chat"
+  with pytest.raises(ConfigError, match="chat needs model.hf_path"):
+    validate(c)
+  c = base_config()
+  c.data.train_files = "train.jsonl"
+  with pytest.raises(ConfigError, match="'task', which scores the synthetic tasks"):
+    validate(c)
+  c.reward.functions = "math_verify,bogus"
+  with pytest.raises(ConfigError, match=r"unknown \['bogus'\]"):
+    validate(c)
+  c.reward.functions = "math_verify"
+  c.learner.micro_batch_size = 5
+  with pytest.raises(ConfigError, match="micro_batch_size=5 does not divide"):
+    validate(c)
+
+
+def test_hf_path_on_the_tiny_config_is_a_clear_input_error(hf_dirs):
+  """The tiny config's architecture values disagree with the checkpoint: exit 2, with
+  the file, the field and what to do, not a traceback or a silent reshape."""
+  proc = _run_train(f"--config.model.hf_path={hf_dirs['qwen2']}", "--config.output_dir=/tmp/x")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("input error: model.")
+  assert "config.json gives" in last and "hf_model_config" in last

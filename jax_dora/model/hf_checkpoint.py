@@ -160,7 +160,10 @@ def model_config_from_checkpoint(
     if have != value:
       raise CheckpointError(
           f"model.{key}={value!r} in the run config, but {ckpt.path}/{CONFIG_FILE} gives"
-          f" {have!r}: drop the override (an HF model's architecture comes from its config.json)")
+          f" {have!r}: an HF model's architecture comes from its config.json, so drop the"
+          " override, or start from a config whose model block is"
+          " jax_dora.config.hf_model_config(...) (e.g. configs/qwen2_5_0_5b_gsm8k.py) rather than"
+          " the tiny model's")
   unknown_run = set(run_fields) - set(RUN_LEVEL_FIELDS)
   if unknown_run:
     raise ValueError(f"not run-level model fields: {sorted(unknown_run)}")
