@@ -134,26 +134,9 @@ class HFTokenizer(PolicyTokenizer):
         range(self.vocab_size, int(model_vocab_size)))
 
   # --------------------------------------------------------------- encoding
-  def encode(
-      self,
-      s: str,
-      *,
-      is_bos: bool = False,
-      max_prefill_length: int | None = None,
-      jax_padding: Any = None,
-  ) -> tuple[np.ndarray, int]:
-    """JetStream ``Tokenizer.encode``: plain text, no template; ``(ids, true_length)``."""
-    del jax_padding
-    ids = list(self._tok(s, add_special_tokens=False)["input_ids"])
-    if is_bos and self._bos >= 0:
-      ids = [self._bos] + ids
-    out = np.asarray(ids, np.int32)
-    n = int(out.shape[0])
-    if max_prefill_length is not None:
-      if n > max_prefill_length:
-        raise ValueError(f"encoded length {n} exceeds max_prefill_length={max_prefill_length}")
-      out = np.pad(out, (0, max_prefill_length - n), constant_values=self._pad)
-    return out, n
+  def encode_ids(self, s: str) -> np.ndarray:
+    """Plain text, no special tokens, no template."""
+    return np.asarray(self._tok(s, add_special_tokens=False)["input_ids"], np.int32)
 
   def render_prompt(self, text: str) -> str:
     """The prompt string the model sees (chat template applied, suffix added)."""

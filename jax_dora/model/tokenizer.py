@@ -39,6 +39,44 @@ class PolicyTokenizer(tokenizer_api.Tokenizer):
     """Ids the tokenizer can produce (a model's embedding may have more rows)."""
 
   @abc.abstractmethod
+  def encode_ids(self, s: str) -> np.ndarray:
+    """int32 ids of ``s`` alone: no BOS/EOS, no template, no padding."""
+
+  def encode(
+      self,
+      s: str,
+      *,
+      is_bos: bool = False,
+      max_prefill_length: int | None = None,
+      jax_padding: Any = None,
+  ) -> tuple[np.ndarray, int]:
+    """JetStream ``Tokenizer.encode``: returns ``(tokens, true_length)``.
+
+    Args:
+      s: Text to encode (plain: no prompt template).
+      is_bos: Prepend BOS (when the tokenizer has one).
+      max_prefill_length: If set, right-pad with PAD to exactly this length
+        (prefill buckets are static shapes); longer inputs raise ValueError.
+      jax_padding: Accepted for JetStream call-site compatibility and ignored;
+        the result is always a numpy array.
+
+    Returns:
+      int32 tokens and the number of non-pad tokens.
+    """
+    del jax_padding
+    ids = np.asarray(self.encode_ids(s), np.int32)
+    if is_bos and self.bos_id >= 0:
+      ids = np.concatenate([np.array([self.bos_id], np.int32), ids])
+    true_length = int(ids.shape[0])
+    if max_prefill_length is not None:
+      if true_length > max_prefill_length:
+        raise ValueError(
+            f"encoded length {true_length} exceeds max_prefill_length={max_prefill_length}"
+        )
+      ids = np.pad(ids, (0, max_prefill_length - true_length), constant_values=self.pad_id)
+    return ids, true_length
+
+  @abc.abstractmethod
   def encode_prompt(self, text: str) -> np.ndarray:
     """int32 ids of ``text`` as the policy sees it as a prompt (BOS, chat template)."""
 
@@ -86,40 +124,6 @@ class CharTokenizer(PolicyTokenizer):
       except KeyError:
         raise ValueError(f"character {c!r} (position {i}) is not in the tokenizer charset") from None
     return out
-
-  def encode(
-      self,
-      s: str,
-      *,
-      is_bos: bool = False,
-      max_prefill_length: int | None = None,
-      jax_padding: Any = None,
-  ) -> tuple[np.ndarray, int]:
-    """JetStream ``Tokenizer.encode``: returns ``(tokens, true_length)``.
-
-    Args:
-      s: Text to encode.
-      is_bos: Prepend BOS.
-      max_prefill_length: If set, right-pad with PAD to exactly this length
-        (prefill buckets are static shapes); longer inputs raise ValueError.
-      jax_padding: Accepted for JetStream call-site compatibility and ignored;
-        the result is always a numpy array.
-
-    Returns:
-      int32 tokens and the number of non-pad tokens.
-    """
-    del jax_padding
-    ids = self.encode_ids(s)
-    if is_bos:
-      ids = np.concatenate([np.array([BOS_ID], np.int32), ids])
-    true_length = int(ids.shape[0])
-    if max_prefill_length is not None:
-      if true_length > max_prefill_length:
-        raise ValueError(
-            f"encoded length {true_length} exceeds max_prefill_length={max_prefill_length}"
-        )
-      ids = np.pad(ids, (0, max_prefill_length - true_length), constant_values=PAD_ID)
-    return ids, true_length
 
   def encode_prompt(self, text: str) -> np.ndarray:
     """``[BOS] + chars``: the prompt format the tiny model is trained on."""
