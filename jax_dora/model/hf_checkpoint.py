@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.families import Family, TensorMap, get_family
@@ -246,8 +247,15 @@ def load_params(ckpt: HFCheckpoint, cfg: ModelConfig, shardings: Any) -> dict[st
                 f" {m.layout.hf_shape}")
           sharding = shardings if single else _tree_get(shardings, m.path)
 
-          def read(index, sl=sl, layout=m.layout):
-            return layout.read_slice(sl.__getitem__, index).astype(dtype)
+          # Devices holding the same slice (replicas over data / slot axes)
+          # share one read of it.
+          slices: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+          def read(index, sl=sl, layout=m.layout, slices=slices):
+            key = tuple(s.indices(n)[:2] for s, n in zip(index, layout.shape))
+            if key not in slices:
+              slices[key] = layout.read_slice(sl.__getitem__, index).astype(dtype)
+            return slices[key]
 
           _tree_set(params, m.path, jax.make_array_from_callback(m.layout.shape, sharding, read))
     except CheckpointError:
