@@ -38,7 +38,8 @@ def get_config():
   c.reward.weights = "1.0,0.1"
   c.reward.num_workers = 8
   c.rollout.update(dict(num_servers=2, devices_per_server=2, slots=64, max_prefill_length=256,
-                        max_new_tokens=512, max_versions=3, temperature=1.0))
+                        max_new_tokens=512, max_versions=3, temperature=1.0,
+                        param_dtype="bfloat16"))
   c.learner.update(dict(
       num_devices=4, mesh_data=1, mesh_fsdp=-1, group_size=8, groups_per_step=16,
       learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, grad_clip=1.0, kl_coef=0.0,

@@ -42,7 +42,8 @@ def get_config():
   c.reward.functions = "math_verify"
   c.reward.num_workers = 16
   c.rollout.update(dict(devices_per_server=4, tensor_parallel=4, slots=128,
-                        max_prefill_length=512, max_new_tokens=2048, max_versions=4))
+                        max_prefill_length=512, max_new_tokens=2048, max_versions=4,
+                        param_dtype="bfloat16"))
   c.learner.update(dict(
       num_devices=-1, mesh_data=1, mesh_fsdp=-1, mesh_tensor=1, group_size=16,
       groups_per_step=32, learning_rate=1e-6, warmup_steps=20, grad_clip=1.0,

@@ -8,7 +8,9 @@ start from :func:`base_config` and change only what differs.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 MODES = (
     "sync",
@@ -135,6 +137,9 @@ def base_config() -> ml_collections.ConfigDict:
           # Devices of one server that split the model (heads, MLP, vocab) for
           # tensor parallelism; the server's other devices split the slots.
           tensor_parallel=1,
+          # Dtype the servers hold the policy in ("" = model.param_dtype):
+          # bfloat16 halves rollout memory; snapshots are cast on restore.
+          param_dtype="",
           # Server mode (role=rollout / learner with remote servers).
           port=9000,
           server_addresses="",  # comma-separated host:port; empty = embedded servers
@@ -305,6 +310,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
   if c.learner.remat not in REMAT_POLICIES:
     raise ConfigError(f"config.learner.remat={c.learner.remat!r} is not one of {sorted(REMAT_POLICIES)}")
+  for name, value in (("model.param_dtype", c.model.param_dtype), ("model.dtype", c.model.dtype),
+                      ("rollout.param_dtype", c.rollout.param_dtype or "float32")):
+    try:
+      np.dtype(jnp.dtype(value))
+    except TypeError:
+      raise ConfigError(f"config.{name}={value!r} is not a dtype name") from None
   dps = c.rollout.devices_per_server
   if c.rollout.tensor_parallel < 1 or (dps > 0 and dps % c.rollout.tensor_parallel):
     raise ConfigError(f"config.rollout.tensor_parallel={c.rollout.tensor_parallel} must divide"

@@ -251,3 +251,41 @@ def test_bf16_activations_and_cache_stay_close_to_float32(hf_dirs):
   b = Transformer(bf16).apply({"params": p16}, tokens, pos)
   assert b.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.05)
+
+
+def test_servers_hold_a_float32_snapshot_as_bfloat16_when_asked(hf_dirs, tmp_path):
+  """rollout.param_dtype=bfloat16: the learner's float32 snapshot is cast on restore
+  (each value rounded as numpy's bfloat16 cast rounds it) and decodes like float32."""
+  from jax_dora.config import base_config, hf_model_config
+  from jax_dora.policy import resolve_policy
+  from jax_dora.rollout.engine import build_engine
+  from jax_dora.snapshots import SnapshotPublisher, SnapshotReader
+
+  cfg = base_config()
+  cfg.model = hf_model_config(hf_dirs["qwen3"], max_seq_len=64)
+  cfg.rollout.max_prefill_length = 32
+  cfg.rollout.slots = 2
+  cfg.rollout.temperature = 0.0
+  policy = resolve_policy(cfg)
+  rep = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("x",)), P())
+  params = load_params(policy.checkpoint, policy.model_cfg, rep)
+  with SnapshotPublisher(tmp_path / "snaps") as pub:
+    pub.publish(5, params)
+  reader = SnapshotReader(tmp_path / "snaps")
+  engines = {}
+  for dtype in ("", "bfloat16"):
+    cfg.rollout.param_dtype = dtype
+    engines[dtype] = build_engine(cfg, jax.devices()[6:7], policy=policy)
+  f32 = engines[""].load_params(reader, 5)
+  bf16 = engines["bfloat16"].load_params(reader, 5)
+  for a, b in zip(jax.tree.leaves(f32), jax.tree.leaves(bf16)):
+    assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a).astype(ml_dtypes.bfloat16))
+  prompt = policy.tokenizer.encode_prompt("What is 12 + 30?")
+  lps = {}
+  for key, p in (("", f32), ("bfloat16", bf16)):
+    e = engines[key]
+    padded, n = e.pad_tokens(prompt)
+    prefix = e.prefill(params=MultiVersionParams.single(5, p), padded_tokens=padded, true_length=n)
+    lps[key] = float(prefix.logprob)
+  assert abs(lps["bfloat16"] - lps[""]) < 0.05

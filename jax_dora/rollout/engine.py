@@ -301,8 +301,10 @@ class DoraEngine(engine_api.Engine):
     return params
 
   def place_params(self, params: Params) -> Params:
-    """Copies an in-memory param tree onto the engine's devices and layout."""
-    return jax.device_put(params, self.param_sharding)
+    """Copies an in-memory param tree onto the engine's devices, layout and param dtype."""
+    abstract = self.abstract_params()
+    return jax.device_put(
+        jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract), self.param_sharding)
 
   def warmup(self, max_versions: int) -> None:
     """Compiles prefill+insert (every bucket), decode for 1..``max_versions``
@@ -705,8 +707,13 @@ def build_engine(
 
     policy = resolve_policy(config)
   r = config.rollout
+  model_cfg = policy.model_cfg
+  if r.param_dtype and r.param_dtype != model_cfg.param_dtype:
+    # Servers may hold the policy narrower than the learner's master copy
+    # (bf16 inference weights); snapshots are cast as they are restored.
+    model_cfg = dataclasses.replace(model_cfg, param_dtype=str(r.param_dtype))
   return DoraEngine(
-      policy.model_cfg,
+      model_cfg,
       policy.tokenizer,
       num_slots=r.slots,
       max_prefill_length=r.max_prefill_length,
