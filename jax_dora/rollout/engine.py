@@ -51,6 +51,7 @@ from jax_dora.model import (
     ModelConfig,
     Transformer,
     head_weight,
+    init_params,
     param_logical_specs,
     suppress_mask,
 )
@@ -288,11 +289,8 @@ class DoraEngine(engine_api.Engine):
     a small model, and every version load needs it.
     """
     if self._abstract_params is None:
-      shapes = jax.eval_shape(
-          lambda r: Transformer(self.model_cfg).init(r, jnp.zeros((1, 1), jnp.int32),
-                                                     jnp.zeros((1, 1), jnp.int32))["params"],
-          jax.random.PRNGKey(0))
-      self._abstract_params = abstract_target_like(nn.meta.unbox(shapes), self.param_sharding)
+      shapes = jax.eval_shape(lambda r: init_params(self.model_cfg, r), jax.random.PRNGKey(0))
+      self._abstract_params = abstract_target_like(shapes, self.param_sharding)
     return self._abstract_params
 
   def load_params(self, reader: SnapshotReader, version: int) -> Params:  # pytype: disable=signature-mismatch
