@@ -9,6 +9,8 @@ start from :func:`base_config` and change only what differs.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from typing import Any
+
 import ml_collections
 import numpy as np
 
@@ -220,6 +222,17 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def split_csv(value: Any, cast: type = str) -> list[Any]:
+  """``"a, b,,c"`` -> ``[cast("a"), cast("b"), cast("c")]``; a list passes through cast.
+
+  Comma-separated strings are how list-valued fields (task names, reward
+  functions and weights, file lists) travel through ``--config.x=y``.
+  """
+  if isinstance(value, str):
+    return [cast(v.strip()) for v in value.split(",") if v.strip()]
+  return [cast(v) for v in value]
+
+
 class ConfigError(ValueError):
   """A config value is out of range or inconsistent with another."""
 
@@ -287,7 +300,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                         " architecture from a Hugging Face checkpoint, or set the field")
   from jax_dora.rewards import reward_names  # pylint: disable=g-import-not-at-top
 
-  names = [n.strip() for n in str(c.reward.functions).split(",") if n.strip()]
+  names = split_csv(c.reward.functions)
   unknown = [n for n in names if n not in reward_names()]
   if not names or unknown:
     raise ConfigError(f"config.reward.functions={c.reward.functions!r}: unknown {unknown or '(empty)'};"
@@ -295,7 +308,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if not synthetic and "task" in names:
     raise ConfigError("config.reward.functions includes 'task', which scores the synthetic tasks;"
                       " dataset files need a reward such as math_verify")
-  weights = [w for w in str(c.reward.weights).split(",") if w.strip()]
+  weights = split_csv(c.reward.weights)
   if weights and len(weights) != len(names):
     raise ConfigError(f"config.reward.weights has {len(weights)} entries for {len(names)} functions")
   if c.reward.timeout_s <= 0:

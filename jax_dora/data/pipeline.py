@@ -79,6 +79,7 @@ import numpy as np
 
 from etils import epath
 
+from jax_dora.config import split_csv
 from jax_dora.data.files import DatasetError, RecordTable, read_records
 from jax_dora.data.formats import RecordFormat, get_format
 from jax_dora.tasks import TaskMixture
@@ -101,17 +102,11 @@ def uses_files(cfg: ml_collections.ConfigDict) -> bool:
   return bool(str(_data_cfg(cfg).get("train_files", "")).strip())
 
 
-def _split_list(value: Any, cast: type) -> list[Any]:
-  if isinstance(value, str):
-    return [cast(v.strip()) for v in value.split(",") if v.strip()]
-  return [cast(v) for v in value]
-
-
 def make_mixture(cfg: ml_collections.ConfigDict) -> TaskMixture:
   """The task mixture described by ``cfg.data``."""
   d = _data_cfg(cfg)
-  names = _split_list(d.tasks, str)
-  weights = _split_list(d.task_weights, float) or None
+  names = split_csv(d.tasks, str)
+  weights = split_csv(d.task_weights, float) or None
   return TaskMixture(
       names,
       weights,
@@ -121,10 +116,13 @@ def make_mixture(cfg: ml_collections.ConfigDict) -> TaskMixture:
   )
 
 
+def _text_heldout(task: str, text: str, heldout_fraction: float) -> bool:
+  return zlib.crc32(f"{task}:{text}".encode()) < heldout_fraction * _HASH_RANGE
+
+
 def is_heldout(prompt: Prompt, heldout_fraction: float) -> bool:
   """Whether ``prompt``'s text lies in the eval part of the hash space."""
-  h = zlib.crc32(f"{prompt.task}:{prompt.text}".encode())
-  return h < heldout_fraction * _HASH_RANGE
+  return _text_heldout(prompt.task, prompt.text, heldout_fraction)
 
 
 def _draw(
@@ -174,8 +172,7 @@ class FileSplits:
 def _split_heldout(table: RecordTable, fmt: RecordFormat, frac: float) -> tuple[list[int], list[int]]:
   train, heldout = [], []
   for i, text in enumerate(table.texts):
-    h = zlib.crc32(f"{fmt.name}:{text}".encode())
-    (heldout if h < frac * _HASH_RANGE else train).append(i)
+    (heldout if _text_heldout(fmt.name, text, frac) else train).append(i)
   return train, heldout
 
 
@@ -189,10 +186,10 @@ def _fits(table: RecordTable, tokenizer: Any, max_tokens: int | None) -> list[in
 def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileSplits:
   d = json.loads(key)
   fmt = get_format(d["format"], d["prompt_field"], d["answer_field"])
-  train = read_records(_split_list(d["train_files"], str), fmt, d["on_bad_row"])
+  train = read_records(split_csv(d["train_files"], str), fmt, d["on_bad_row"])
   skipped = collections.Counter(train.skipped)
   if d["eval_files"]:
-    evals = read_records(_split_list(d["eval_files"], str), fmt, d["on_bad_row"])
+    evals = read_records(split_csv(d["eval_files"], str), fmt, d["on_bad_row"])
     skipped.update(evals.skipped)
   else:
     keep, held = _split_heldout(train, fmt, float(d["heldout_fraction"]))
@@ -208,12 +205,11 @@ def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileS
   if overlong:
     _log.warning("dropped %d prompt(s) longer than %d tokens (rollout.max_prefill_length)",
                  overlong, max_tokens)
+    skipped["prompt longer than rollout.max_prefill_length"] = overlong
   if not len(train) or not len(evals):
     raise DatasetError(
         f"no {'training' if not len(train) else 'eval'} prompt fits rollout.max_prefill_length="
         f"{max_tokens} tokens")
-  if overlong:
-    skipped["prompt longer than rollout.max_prefill_length"] = overlong
   return FileSplits(fmt, train, evals, dict(skipped), overlong)
 
 
@@ -291,7 +287,7 @@ def config_fingerprint(cfg: ml_collections.ConfigDict) -> str:
     keys = ("train_files", "eval_files", "format", "prompt_field", "answer_field", "on_bad_row",
             "seed", "heldout_fraction", "num_epochs", "prompt_template", "system_prompt",
             "prompt_suffix")
-    sizes = [epath.Path(p).stat().length for p in _split_list(d.train_files, str)]
+    sizes = [epath.Path(p).stat().length for p in split_csv(d.train_files, str)]
     blob = json.dumps({**{k: str(d[k]) for k in keys}, "sizes": sizes}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
   keys = ("tasks", "task_weights", "seed", "heldout_fraction", "max_answer_len",

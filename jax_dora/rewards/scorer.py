@@ -51,12 +51,6 @@ def _call_reward(name: str, module: str, prompt: Prompt, completion: str) -> flo
   return float(get_reward(name).fn(prompt, completion))
 
 
-def _split(value: Any, cast: type) -> list[Any]:
-  if isinstance(value, str):
-    return [cast(v.strip()) for v in value.split(",") if v.strip()]
-  return [cast(v) for v in value]
-
-
 class RewardScorer:
   """Scores completions with ``sum_i weight_i * reward_i(prompt, completion)``.
 
@@ -94,8 +88,10 @@ class RewardScorer:
 
   @classmethod
   def from_config(cls, cfg: Any) -> "RewardScorer":
+    from jax_dora.config import split_csv  # pylint: disable=g-import-not-at-top
+
     r = cfg.reward if "reward" in cfg else cfg
-    return cls(_split(r.functions, str), _split(r.weights, float) or None,
+    return cls(split_csv(r.functions), split_csv(r.weights, float) or None,
                timeout_s=r.timeout_s, num_workers=r.num_workers)
 
   # ------------------------------------------------------------------ pool
@@ -165,16 +161,7 @@ class RewardScorer:
 
   def score_blocking(self, prompt: Prompt, completion: str) -> float:
     """:meth:`score` for callers without an event loop (CLIs, tests)."""
-    self.stats["calls"] += 1
-    total = 0.0
-    for r, w in zip(self.rewards, self.weights):
-      if r.isolated:
-        fut = self._schedule(r, prompt, completion)
-        value = self._settle(r, prompt, fut.result)
-      else:
-        value = self._inline(r, prompt, completion)
-      total += w * value
-    return total
+    return asyncio.run(self.score(prompt, completion))
 
   def metrics(self) -> dict[str, int]:
     """Cumulative failure counters, e.g. ``reward/math_verify/timeouts``."""
