@@ -66,6 +66,12 @@ def real_model_config(hf_dir: str, tmp_path: pathlib.Path, mode: str):
 @pytest.mark.parametrize("mode", ["sync", "dora_pace"])
 def test_hf_model_trains_on_gsm8k_file_with_math_verify(hf_dirs, tmp_path, mode):
   cfg = real_model_config(hf_dirs["qwen2"], tmp_path, mode)
+  if mode == "dora_pace":
+    # A random policy earns no reward (zero advantages, zero policy gradient):
+    # weight decay is what moves its weights, so the export check below can
+    # tell the trained policy from the one it started from.
+    cfg.learner.weight_decay = 0.1
+    cfg.learner.learning_rate = 1e-2
   summary = run_training(cfg)
   assert summary["steps"] == 3
   assert summary["integrity_violations"] == []
@@ -87,39 +93,34 @@ def test_hf_model_trains_on_gsm8k_file_with_math_verify(hf_dirs, tmp_path, mode)
   assert model_cfg["hf_path"] == hf_dirs["qwen2"] and model_cfg["model"]["n_kv_heads"] == 2
   entries = [e for e in read_log(run / "trained_samples.jsonl") if e.get("event") == "trained"]
   assert entries, "no trained entries in the log"
+  if mode == "dora_pace":
+    _check_export_loads_in_transformers(run, hf_dirs["qwen2"], tmp_path / "exported", version=3)
 
 
-def test_exported_policy_loads_in_transformers_with_the_trained_weights(hf_dirs, tmp_path):
+def _check_export_loads_in_transformers(run: pathlib.Path, start_dir: str, out: pathlib.Path,
+                                        version: int) -> None:
+  """``python -m jax_dora.export`` on the run: transformers loads the newest policy version
+  with our logits for it, tokenizer files included, and it differs from the start."""
   import jax
   import transformers
 
   from jax_dora.model import ModelConfig, Transformer
   from jax_dora.snapshots import SnapshotReader
 
-  cfg = real_model_config(hf_dirs["qwen2"], tmp_path, "dora_pace")
-  cfg.total_steps = 2
-  cfg.eval.num_prompts = 0
-  # A random policy earns no reward (zero advantages, zero policy gradient):
-  # weight decay is what moves its weights here.
-  cfg.learner.weight_decay = 0.1
-  cfg.learner.learning_rate = 1e-2
-  run_training(cfg)
-  out = tmp_path / "exported"
   proc = subprocess.run(
-      [sys.executable, "-m", "jax_dora.export", f"--run_dir={cfg.output_dir}", f"--out={out}"],
+      [sys.executable, "-m", "jax_dora.export", f"--run_dir={run}", f"--out={out}"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "exported policy version 2" in proc.stdout
+  assert f"exported policy version {version}" in proc.stdout
   model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype="float32")
   tok = transformers.AutoTokenizer.from_pretrained(str(out))
   assert tok.chat_template, "tokenizer files were not exported"
-  params, _ = SnapshotReader(pathlib.Path(cfg.output_dir) / "snapshots").load(2)
-  mcfg = ModelConfig(**json.loads((pathlib.Path(cfg.output_dir) / "model_config.json").read_text())["model"])
+  params, _ = SnapshotReader(run / "snapshots").load(version)
+  mcfg = ModelConfig(**json.loads((run / "model_config.json").read_text())["model"])
   tokens = np.arange(10, 40)[None]
   ours = Transformer(mcfg).apply({"params": jax.device_get(params)}, tokens, np.arange(30)[None])
   np.testing.assert_allclose(np.asarray(ours), _hf.reference_logits(model, tokens), atol=2e-5, rtol=1e-4)
-  # The trained policy differs from the one it started from.
-  start = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["qwen2"], dtype="float32")
+  start = transformers.AutoModelForCausalLM.from_pretrained(start_dir, dtype="float32")
   assert not np.allclose(_hf.reference_logits(start, tokens), _hf.reference_logits(model, tokens))
 
 
