@@ -7,9 +7,10 @@ copy of the model in accelerator memory, so the server holds at most
 it and it is not the newest (nobody new will ever ask for it).
 
 **The cap is hard.** When a new version arrives while the server is full and
-every held version is still pinned by a running slot, we do *not* load it
-(that would exceed the cap) and we do not preempt running slots (that would
-throw away work, and DORA's point is not to). Instead the version becomes
+every held version but the newest is still pinned by a running slot (the
+newest is kept regardless, see below), we do *not* load it (that would exceed
+the cap) and we do not preempt running slots (that would throw away work, and
+DORA's point is not to). Instead the version becomes
 *pending* and is loaded as soon as the oldest version's last slot finishes.
 Meanwhile new requests keep being admitted on the newest *held* version, so
 slots never idle behind a long-tailed rollout (exactly what happens in the
@@ -24,11 +25,25 @@ If several versions arrive while one is pending, only the latest is kept
 pending: an intermediate version would be superseded before any request could
 use it.
 
+**Invariant: new requests never move back to an older version.** Making room
+never evicts the newest held version (not even an unpinned one) while
+``max_versions >= 2``: the incoming version becomes pending instead and is
+loaded once an older version's last slot releases (the caller retries
+:meth:`take_pending`, e.g. the driver loop's ``_maybe_load_pending``). So
+:attr:`newest` is always the highest loaded version, never decreases, and
+``acquire(None)`` always returns it. With ``max_versions=1`` the one held
+version *is* the newest: once unpinned it is freed to make room for the next,
+and while that loads :attr:`newest` is ``None`` (``acquire(None)`` raises
+:class:`VersionUnavailableError`; admission was already paused), never an
+older version. A version older than one that has already been the newest is
+never loaded again.
+
 Loading itself is done by the caller (I/O, not bookkeeping); this class only
 decides and records. Protocol: :meth:`begin_load` -> (load params) ->
 :meth:`finish_load` or :meth:`abort_load`. While a load is in progress its
-reserved room counts toward :attr:`num_loaded` and admission is paused, so the
-cap holds even while the new params are being materialised.
+reserved room counts toward :attr:`num_loaded` (and with ``max_versions=1``
+admission is paused), so the cap holds even while the new params are being
+materialised.
 """
 
 from __future__ import annotations
@@ -59,6 +74,7 @@ class VersionStore:
     self._params: dict[int, Params] = {}
     self._refs: dict[int, int] = {}
     self._newest: int | None = None
+    self._newest_ever: int | None = None  # highest version that has been newest
     self._pending: int | None = None
     self._loading: int | None = None
     self.peak_loaded = 0  # max num_loaded ever observed (tests, metrics)
@@ -122,10 +138,16 @@ class VersionStore:
 
   # ----------------------------------------------------------------- loading
   def _make_room_locked(self, incoming: int) -> bool:
-    """Frees unpinned versions superseded by ``incoming``; True if one fits."""
+    """Frees unpinned versions superseded by ``incoming``; True if one fits.
+
+    Never frees the newest version while ``max_versions >= 2`` (new requests
+    start on it; freeing it would send them back to an older pinned one).
+    """
     for v in sorted(self._params):
       if len(self._params) < self.max_versions:
         break
+      if v == self._newest and self.max_versions > 1:
+        continue
       if self._refs.get(v, 0) == 0 and v < incoming:
         self._free_locked(v)
     return len(self._params) < self.max_versions
@@ -136,9 +158,12 @@ class VersionStore:
     with self._lock:
       if version in self._params or version == self._loading:
         return LoadDecision.LOADED
-      if self._newest is not None and version < self._newest:
+      if self._newest_ever is not None and version < self._newest_ever:
         # New requests would never use it, and explicit requests for stale
-        # versions are served only while a slot still pins them.
+        # versions are served only while a slot still pins them. (Checked
+        # against the highest version ever newest: with max_versions=1 the
+        # newest is None while its successor loads, and an aborted load must
+        # not let an older version in.)
         return LoadDecision.LOADED
       if self._loading is not None:
         raise RuntimeError(f"version {self._loading} is still loading; loads must be serialized")
@@ -172,6 +197,8 @@ class VersionStore:
       self._refs.setdefault(version, 0)
       if self._newest is None or version > self._newest:
         old, self._newest = self._newest, version
+        if self._newest_ever is None or version > self._newest_ever:
+          self._newest_ever = version
         if old is not None and self._refs.get(old, 0) == 0:
           self._free_locked(old)
       self._note_peak_locked()
@@ -216,7 +243,9 @@ class VersionStore:
     self._params.pop(version, None)
     self._refs.pop(version, None)
     if version == self._newest:
-      self._newest = max(self._params) if self._params else None
+      # Only with max_versions=1 (see _make_room_locked), so nothing else is
+      # held; never fall back to an older version.
+      self._newest = None
 
   def _note_peak_locked(self) -> None:
     self.peak_loaded = max(self.peak_loaded, len(self._params) + (self._loading is not None))
