@@ -124,7 +124,7 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
     if placement == "split":
       learner_cores, rollout_cores = split_cores()
       address = stack.enter_context(rollout_server(out, rollout_cores, extra))
-      args += [f"--config.rollout.server_addresses={address}",
+      args += [f"--config.rollout.server_addresses={address}", "--config.role=learner",
                f"--config.snapshots.directory={out / 'snapshots'}"]
       preexec = _pin(learner_cores)
     proc = subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True,

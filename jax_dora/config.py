@@ -34,14 +34,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.mode = "sync"
   c.seed = 0
   c.output_dir = "runs/default"
-  # "all": learner + embedded rollout servers in one process (Colab / CPU / single host).
-  # "learner" / "rollout": separate processes or TPU slices (see launchers/).
+  # "all": learner + embedded rollout servers in one process (Colab / CPU /
+  # single host); rollout.server_addresses must be empty.
+  # "learner": the learner and orchestrator only, with remote rollout servers
+  # at rollout.server_addresses (required). "rollout": a rollout server
+  # (``jax_dora.rollout.server_main``); jax_dora.train refuses it.
   c.role = "all"
   c.total_steps = 60
   # Stop after this many seconds of training wall time even if total_steps is
   # not reached (0 = no limit). Benchmarks compare modes at equal budgets.
   c.max_wall_time_s = 0.0
-  c.log_every = 1
+  # One readable log line (step, reward, bubble, throughput, staleness) every
+  # this many learner steps; 0 = none (metrics.jsonl has every step anyway).
+  # Long runs without a terminal (TPU pods, nohup) read these.
+  c.log_every = 10
   # Compile every shape the run can meet (learner length buckets, rollout
   # prefill buckets and 1..max_versions live versions) at start-up, so no step
   # stalls on a compile mid-run. Off for tiny runs, where start-up dominates.
@@ -158,8 +164,8 @@ def base_config() -> ml_collections.ConfigDict:
           max_staleness=2,
           # Requests in flight per server beyond its slots (keeps slots full).
           queue_depth=4,
-          # partial_rollout: batch deadline as a fraction of the longest rollout.
-          partial_rollout_fraction=0.5,
+          # A rollout server that dies and comes back at the same address
+          # (a new process) is re-admitted this many times; then retired.
           max_server_restarts=3,
           # async_unfiltered / dora / dora_pace: the learner only copies its
           # params and goes on training while the Orbax write (and the
@@ -263,6 +269,20 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.mode={c.mode!r} is not one of {MODES}")
   if c.role not in ("all", "learner", "rollout"):
     raise ConfigError(f"config.role={c.role!r} must be all, learner or rollout")
+  if c.role == "learner" and not str(c.rollout.server_addresses).strip():
+    raise ConfigError("config.role=learner needs config.rollout.server_addresses (host:port of the"
+                      " rollout servers); role=all runs embedded servers instead")
+  if c.role == "all" and str(c.rollout.server_addresses).strip():
+    raise ConfigError("config.rollout.server_addresses is set but config.role=all runs embedded"
+                      " rollout servers; set config.role=learner to use the remote servers")
+  if not c.rollout.temperature > 0:
+    raise ConfigError(f"config.rollout.temperature={c.rollout.temperature} must be > 0: the learner"
+                      " scores trajectories under logits / temperature (greedy decoding is not a"
+                      " sampling policy GRPO can train on)")
+  if not 0 < c.rollout.top_p <= 1:
+    raise ConfigError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
+  if c.log_every < 0:
+    raise ConfigError("config.log_every must be >= 0")
   if c.learner.group_size < 2:
     raise ConfigError("config.learner.group_size must be >= 2 for GRPO advantages")
   if c.orchestrator.max_staleness < 0:

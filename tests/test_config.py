@@ -54,6 +54,7 @@ def test_main_job_cli_runs_with_relative_output_dir(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = (tmp_path / "runs" / "cli" / "summary.json").read_text()
   assert '"steps": 2' in summary and '"integrity_violations": []' in summary
+  assert "step 2 | reward" in proc.stderr  # config.log_every: the last step is always logged
 
 
 def test_real_model_settings_are_validated():
@@ -82,3 +83,34 @@ def test_hf_path_on_the_tiny_config_is_a_clear_input_error(hf_dirs):
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("input error: model.")
   assert "config.json gives" in last and "hf_model_config" in last
+
+
+def test_training_temperature_must_be_positive():
+  """Temperature 0 used to pass and the learner divided logits by it: NaN params."""
+  for t in (0.0, -1.0):
+    c = base_config()
+    c.rollout.temperature = t
+    with pytest.raises(ConfigError, match="temperature=.* must be > 0"):
+      validate(c)
+  proc = _run_train("--config.rollout.temperature=0", "--config.output_dir=/tmp/x")
+  assert proc.returncode == 2 and "config error: config.rollout.temperature" in proc.stderr
+
+
+def test_role_is_read_and_checked():
+  c = base_config()
+  c.role = "learner"  # without server addresses it used to start embedded servers
+  with pytest.raises(ConfigError, match="role=learner needs config.rollout.server_addresses"):
+    validate(c)
+  c = base_config()
+  c.rollout.server_addresses = "localhost:9000"
+  with pytest.raises(ConfigError, match="set config.role=learner"):
+    validate(c)
+  c.role = "learner"
+  validate(c)
+  proc = _run_train("--config.role=rollout", "--config.output_dir=/tmp/x")
+  assert proc.returncode == 2 and "jax_dora.rollout.server_main" in proc.stderr
+
+
+def test_dead_fields_are_gone():
+  c = base_config()
+  assert "partial_rollout_fraction" not in c.orchestrator

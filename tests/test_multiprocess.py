@@ -90,6 +90,7 @@ def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
       f"--config.total_steps={_STEPS}",
       f"--config.output_dir={out}",
       f"--config.rollout.server_addresses=127.0.0.1:{rollout_port}",
+      "--config.role=learner",
       "--config.learner.num_devices=2",
       "--config.learner.groups_per_step=2",
       "--config.learner.group_size=4",

@@ -150,6 +150,7 @@ def test_remote_grpc_rollout_server_serves_the_hf_policy(hf_dirs, tmp_path):
     cfg.total_steps = 2
     cfg.eval.num_prompts = 0
     cfg.rollout.server_addresses = f"127.0.0.1:{port}"
+    cfg.role = "learner"
     cfg.snapshots.directory = str(snaps)
     summary = run_training(cfg)
     assert summary["steps"] == 2 and summary["integrity_violations"] == [], summary

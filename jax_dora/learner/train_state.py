@@ -9,6 +9,7 @@ materialised unsharded on one device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +52,10 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
   )
 
 
+class TrainingDivergedError(RuntimeError):
+  """A train step produced a NaN/inf loss, gradient norm or other metric."""
+
+
 class Learner:
   """Owns the sharded train state on ``mesh`` and runs GRPO updates.
 
@@ -87,6 +92,8 @@ class Learner:
       suppress_mask: np.ndarray | None = None,
       load_params: Callable[[Any], Any] | None = None,
   ):
+    if not temperature > 0:
+      raise ValueError(f"temperature must be > 0 (the learner divides logits by it), got {temperature}")
     self.model_cfg = model_cfg
     self.cfg = learner_cfg
     self.mesh = mesh
@@ -251,8 +258,21 @@ class Learner:
     return jax.device_put(batch, self.batch_sharding)
 
   def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """One optimizer step; raises :class:`TrainingDivergedError` on a NaN/inf metric.
+
+    Checked here, on every step, because a non-finite loss or gradient norm
+    silently poisons every later step (and every published version) while
+    the run still looks healthy from the outside.
+    """
     self.state, metrics = self._step_fn(self.state, self.put_batch(batch))
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    bad = {k: v for k, v in out.items() if not math.isfinite(v)}
+    if bad:
+      raise TrainingDivergedError(
+          f"learner step {self.step}: non-finite {', '.join(f'{k}={v}' for k, v in sorted(bad.items()))};"
+          " stopping before these parameters are published or checkpointed (lower"
+          " learner.learning_rate, check rewards/advantages, or resume from the last checkpoint)")
+    return out
 
   @property
   def step(self) -> int:

@@ -166,6 +166,11 @@ def main(argv) -> None:
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny.py")
+  if config.role == "learner":
+    raise app.UsageError("config.role=learner is the training process (jax_dora.train);"
+                         " a rollout server takes role=rollout (or the default all)")
+  # A server has no server addresses of its own: validate it as a rollout process.
+  config.role = "rollout"
   config_lib.validate(config)
   logging.basicConfig(
       level=logging.INFO,
