@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -120,6 +121,11 @@ class RunPaths:
                out / "model_config.json")
 
 
+def new_incarnation() -> str:
+  """A fresh id for this start of a run (fresh or resumed); see jax_dora.snapshots."""
+  return uuid.uuid4().hex[:12]
+
+
 def write_run_metadata(paths: RunPaths, cfg: ml_collections.ConfigDict, policy: PolicySpec) -> None:
   """The run config and resolved model config, beside the checkpoints that need them."""
   paths.run_config.write_text(cfg.to_json_best_effort(indent=2, sort_keys=True))
@@ -189,6 +195,9 @@ def run_training(
   ``after_step(record, orchestrator)`` is called after every learner step.
   """
   validate(cfg)
+  if cfg.role == "rollout":
+    raise ConfigError("config.role=rollout is a rollout server: start it with"
+                      " `python -m jax_dora.rollout.server_main`, not jax_dora.train")
   setup_logging()
   maybe_initialize_distributed(cfg)
   paths = RunPaths.from_config(cfg)
@@ -197,7 +206,7 @@ def run_training(
   policy = resolve_policy(cfg)
   write_run_metadata(paths, cfg, policy)
   tokenizer = policy.tokenizer
-  remote = bool(cfg.rollout.server_addresses)
+  remote = cfg.role == "learner"  # validate(): role=learner <=> server addresses
   n_rollout = 0 if remote else cfg.rollout.num_servers * cfg.rollout.devices_per_server
   procs = learner_processes(cfg)
   learner_devs, rollout_devs = split_devices(
@@ -257,17 +266,21 @@ def run_training(
       truncate_after_step=resumed_step if resumed_step is not None else 0,
   )
 
-  publisher = SnapshotPublisher(
-      paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep, processes=procs)
+  incarnation = new_incarnation()
+  publisher = SnapshotPublisher(paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep,
+                                processes=procs, incarnation=incarnation)
   version = learner.step
-  publisher.discard_after(version)  # versions a killed run published after its checkpoint
-  if publisher.last_version != version:
-    publisher.publish(version, learner.params, {"step": version})
+  # Every version from the start one on is republished by this incarnation:
+  # the directory may hold a killed run's later versions, or another run's
+  # (a fresh run reusing it), under the same numbers.
+  publisher.discard_after(version - 1)
+  publisher.publish(version, learner.params, {"step": version})
+  log.info("run incarnation %s starts at policy version %d", incarnation, version)
 
-  def checkpoint(step: int, pending_prompts: list[Prompt]) -> None:
+  def checkpoint(step: int, pending_prompts: list[Prompt], stream_state: dict[str, Any]) -> None:
     checkpointer.save(step, learner.state, {
         "step": step,
-        "stream": stream.get_state(),
+        "stream": stream_state,
         "pending_prompts": [prompt_to_json(p) for p in pending_prompts],
     })
 
@@ -300,6 +313,7 @@ def run_training(
         pending_prompts=pending,
         progress=progress,
         after_step=after_step,
+        incarnation=incarnation,
     )
 
     async def main():

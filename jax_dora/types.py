@@ -57,6 +57,9 @@ class Trajectory:
   consumed_version: int = -1
   submit_time: float = 0.0
   finish_time: float = 0.0
+  # Run incarnation of the policy versions that generated it (see
+  # jax_dora.snapshots): version numbers are only comparable within one.
+  incarnation: str = ""
 
   @property
   def key(self) -> tuple[int, int]:

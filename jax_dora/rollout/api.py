@@ -33,6 +33,15 @@ class VersionUnavailableError(RolloutError):
   """The requested policy version is not (or no longer) loaded on the server."""
 
 
+class IncarnationMismatchError(RolloutError):
+  """The server holds another run incarnation's versions than the request's.
+
+  A server restarted from a stale snapshot, or one still holding a killed
+  run's versions, answers this instead of generating from parameters the
+  learner never had; the caller loads the current version and retries.
+  """
+
+
 @dataclasses.dataclass
 class RolloutRequest:
   """Generate up to ``max_new_tokens`` after ``prompt_tokens``.
@@ -46,6 +55,8 @@ class RolloutRequest:
   prompt_tokens: np.ndarray  # int32, starts with BOS
   max_new_tokens: int
   version: int | None = None  # None = newest loaded version (the DORA rule)
+  # Run incarnation the version must belong to ("" = whatever the server holds).
+  incarnation: str = ""
   resume_tokens: np.ndarray | None = None
   resume_logprobs: np.ndarray | None = None
   resume_spans: tuple[TokenSpan, ...] = ()
@@ -77,6 +88,7 @@ class RolloutResult:
   spans: tuple[TokenSpan, ...]
   finish_reason: str  # "eos" | "length" | "aborted"
   prefill_version: int  # version that computed the prompt's KV cache this time
+  incarnation: str = ""  # run incarnation of the versions that generated it
 
 
 @dataclasses.dataclass
@@ -93,6 +105,7 @@ class ServerStatus:
   # Decode passes since start: one per live version per step, so
   # decode_passes / decode_steps is the multi-version overhead factor.
   decode_passes: int = 0
+  incarnation: str = ""  # run incarnation of the held versions ("" = none yet)
 
 
 @runtime_checkable
@@ -101,11 +114,14 @@ class RolloutClient(Protocol):
 
   name: str
 
-  async def load_version(self, version: int) -> None:
+  async def load_version(self, version: int, incarnation: str | None = None) -> None:
     """Loads snapshot ``version`` from the snapshot directory (idempotent).
 
     After it returns, new requests with ``version=None`` start on it; older
     versions stay loaded while a slot still uses them (up to the server's cap).
+    ``incarnation``: the run incarnation the snapshot must belong to; a server
+    holding another incarnation's versions drops them (and fails the requests
+    still running on them) first.
     """
 
   def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:

@@ -91,7 +91,7 @@ class RolloutDriver:
       *,
       chunk_steps: int = 1,
       stop_on_eos: bool = True,
-      load_fn: Callable[[int], object] | None = None,
+      load_fn: Callable[[int, str | None], object] | None = None,
       precompile: bool = False,
   ):
     """Starts the loop thread.
@@ -106,9 +106,10 @@ class RolloutDriver:
       stop_on_eos: False makes every request run to its token budget
         (benchmarks use it so lengths follow the workload, not a random
         policy's EOS rate).
-      load_fn: ``version -> params`` on this engine's devices; default reads
-        the snapshot with ``engine.load_params`` (embedded servers in one
-        process pass a shared loader that reads each snapshot once).
+      load_fn: ``(version, incarnation) -> params`` on this engine's
+        devices; default reads the snapshot with ``engine.load_params``
+        (embedded servers in one process pass a shared loader that reads each
+        snapshot once). It must refuse a snapshot of another incarnation.
       precompile: Compile every device call the loop can make (each prefill
         bucket, 1..max_versions live versions) before serving, so no request
         stalls on a compile mid-run (``config.precompile``).
@@ -117,7 +118,12 @@ class RolloutDriver:
     self.name = name
     self.reader = SnapshotReader(snapshot_dir)
     self.store = VersionStore(max_versions)
-    self._load_fn = load_fn or (lambda v: engine.load_params(self.reader, v))
+    self._load_fn = load_fn or (lambda v, inc: engine.load_params(self.reader, v, inc))
+    # The run incarnation whose versions this server holds (None: not known
+    # yet, or snapshots without one); see ``load_version``.
+    self._incarnation: str | None = None
+    self._switch_to: str | None = None
+    self._switched = threading.Event()
     self.chunk_steps = max(1, int(chunk_steps))
     # Every stop id of the tokenizer ends a completion (HF chat models have
     # several: Llama 3 Instruct's <|eot_id|> besides <|end_of_text|>).
@@ -148,19 +154,34 @@ class RolloutDriver:
     self._thread.start()
 
   # ============================================================ public API
-  def load_version(self, version: int) -> None:
+  def load_version(self, version: int, incarnation: str | None = None) -> None:
     """Loads snapshot ``version``; returns once loaded or recorded as pending.
 
     Idempotent. A version older than the newest held one is ignored (new
     requests would not use it).
 
+    ``incarnation`` names the run incarnation the version belongs to (the
+    snapshot's metadata must agree). If it differs from the one this server
+    holds, every held version is dropped first and the requests still running
+    on them fail with :class:`api.IncarnationMismatchError`: version numbers
+    of different incarnations name different parameters, so an old "newer"
+    version must never shadow the new run's. ``None`` keeps the current
+    incarnation, or adopts the snapshot's own on the first load.
+
     Raises:
-      SnapshotNotFoundError / SnapshotCorruptError: from the snapshot reader.
+      SnapshotNotFoundError / SnapshotCorruptError: from the snapshot reader
+        (also for a snapshot of another incarnation than ``incarnation``).
       RolloutError: the driver is stopped.
     """
     version = int(version)
     self._check_alive()
     with self._load_lock:
+      if incarnation is None:
+        incarnation = self._incarnation
+        if incarnation is None:
+          incarnation = self.reader.read_metadata(version).get("incarnation")
+      if incarnation != self._incarnation:
+        self._enter_incarnation(incarnation)
       decision = self.store.begin_load(version)
       if decision is LoadDecision.LOAD:
         self._do_load(version)
@@ -169,10 +190,24 @@ class RolloutDriver:
         # pending forever.
         if not self.reader.has_version(version):
           self.reader.load(version)  # raises SnapshotNotFoundError with the path
-        _log.info("%s: version %d pending (all %d held versions pinned)", self.name, version,
+        _log.info("%s: version %d pending (no room among %d held versions: older ones still pinned)", self.name, version,
                   self.store.max_versions)
     with self._lock:
       self._wake.notify_all()
+
+  def _enter_incarnation(self, incarnation: str | None) -> None:
+    """Has the loop thread drop every version and request of the old incarnation."""
+    with self._lock:
+      self._switched.clear()
+      self._switch_to = incarnation
+      self._wake.notify_all()
+    while not self._switched.wait(timeout=0.5):
+      self._check_alive()
+    _log.info("%s: now serving run incarnation %s", self.name, incarnation)
+
+  @property
+  def incarnation(self) -> str | None:
+    return self._incarnation
 
   def submit(self, request: api.RolloutRequest, callback: Callback, *, stream: bool = True) -> None:
     """Queues ``request``; ``callback`` receives its chunks then one terminal item.
@@ -209,6 +244,7 @@ class RolloutDriver:
           total_slots=self.num_slots,
           queued_requests=len(self._queue),
           slot_versions=tuple(s.version for s in active),
+          incarnation=self._incarnation or "",
           generated_tokens=self._generated,
           busy_time_s=self._busy_s,
           decode_steps=self._steps,
@@ -233,7 +269,7 @@ class RolloutDriver:
   # ================================================================ loading
   def _do_load(self, version: int) -> None:
     try:
-      params = self._load_fn(version)
+      params = self._load_fn(version, self._incarnation)
     except BaseException:
       self.store.abort_load(version)
       raise
@@ -278,6 +314,9 @@ class RolloutDriver:
           if self._stopping:
             break
           aborts, self._aborts = self._aborts, set()
+          switch, self._switch_to = self._switch_to, None
+        if switch is not None:
+          self._retire_incarnation(switch)
         self._handle_aborts(aborts)
         self._maybe_load_pending()
         self._admit()
@@ -298,7 +337,7 @@ class RolloutDriver:
     self._fail_all(f"{self.name}: driver stopped")
 
   def _has_work_locked(self) -> bool:
-    if self._aborts or any(s is not None for s in self._slots):
+    if self._aborts or self._switch_to is not None or any(s is not None for s in self._slots):
       return True
     return bool(self._queue) and (self.store.admitting or self.store.pending is not None)
 
@@ -317,6 +356,33 @@ class RolloutDriver:
       self._safe_call(q.callback, api.RolloutError(message, ids))
     if ids:
       _log.warning("%s: failed %d in-flight request(s)", self.name, len(ids))
+
+  def _retire_incarnation(self, incarnation: str | None) -> None:
+    """Loop thread: fails the old incarnation's requests, frees its versions."""
+    old = self._incarnation
+    why = f"{self.name}: run incarnation {old} retired by {incarnation}"
+    failed = 0
+    for i, s in enumerate(self._slots):
+      if s is not None:
+        self._slots[i] = None
+        self._to_free.add(i)
+        failed += 1
+        self._safe_call(s.callback, api.IncarnationMismatchError(why, (s.request.request_id,)))
+    with self._lock:
+      keep, drop = collections.deque(), []
+      for q in self._queue:
+        (keep if q.request.incarnation in ("", incarnation) else drop).append(q)
+      self._queue = keep
+    for q in drop:
+      self._safe_call(q.callback, api.IncarnationMismatchError(why, (q.request.request_id,)))
+    peak = self.store.peak_loaded
+    self.store = VersionStore(self.store.max_versions)
+    self.store.peak_loaded = peak
+    self._incarnation = incarnation
+    if old is not None or failed or drop:
+      _log.warning("%s: dropped versions and %d request(s) of incarnation %s", self.name,
+                   failed + len(drop), old)
+    self._switched.set()
 
   # ---------------------------------------------------------------- aborts
   def _handle_aborts(self, aborts: set[str]) -> None:
@@ -364,6 +430,11 @@ class RolloutDriver:
   def _admit_one(self, slot: int, q: _Queued) -> jax.Array | None:
     """Prefills ``q`` into ``slot``; returns its first (token, logprob) on device."""
     req = q.request
+    if req.incarnation and req.incarnation != self._incarnation:
+      self._safe_call(q.callback, api.IncarnationMismatchError(
+          f"{self.name}: request {req.request_id} is for run incarnation {req.incarnation}, this"
+          f" server holds {self._incarnation}", (req.request_id,)))
+      return None
     try:
       version = self.store.acquire(req.version)
     except api.VersionUnavailableError as e:
@@ -467,5 +538,6 @@ class RolloutDriver:
         spans=spans,
         finish_reason=reason,
         prefill_version=s.version,
+        incarnation=self._incarnation or "",
     )
     self._safe_call(s.callback, result)

@@ -15,6 +15,7 @@ import functools
 import itertools
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import jax
@@ -42,26 +43,26 @@ class SharedSnapshotLoader:
     self._reader = reader
     self._keep = max(1, int(keep))
     self._lock = threading.Lock()
-    self._cache: collections.OrderedDict[int, concurrent.futures.Future] = collections.OrderedDict()
+    self._cache: collections.OrderedDict[tuple[int, str | None], concurrent.futures.Future] = collections.OrderedDict()
     self.reads = 0  # Orbax restores done (tests, metrics)
 
-  def load(self, engine, version: int):
-    version = int(version)
+  def load(self, engine, version: int, incarnation: str | None = None):
+    key = (int(version), incarnation)  # numbers of different incarnations differ
     with self._lock:
-      fut = self._cache.get(version)
+      fut = self._cache.get(key)
       owner = fut is None
       if owner:
-        fut = self._cache[version] = concurrent.futures.Future()
+        fut = self._cache[key] = concurrent.futures.Future()
         while len(self._cache) > self._keep:
           self._cache.popitem(last=False)
     if owner:
       try:
-        params = engine.load_params(self._reader, version)
+        params = engine.load_params(self._reader, key[0], incarnation)
         self.reads += 1
       except BaseException as e:
         with self._lock:
-          if self._cache.get(version) is fut:
-            del self._cache[version]
+          if self._cache.get(key) is fut:
+            del self._cache[key]
         fut.set_exception(e)
         raise
       fut.set_result(params)
@@ -72,14 +73,19 @@ class SharedSnapshotLoader:
 class EmbeddedRolloutClient:
   """:class:`api.RolloutClient` over a local :class:`RolloutDriver`."""
 
+  # A stopped in-process driver never comes back: the dispatcher retires it
+  # on its first failed health check instead of waiting for a restart.
+  restartable = False
+
   def __init__(self, driver: RolloutDriver):
     self.driver = driver
     self.name = driver.name
     self._closed = False
+    self._instance = uuid.uuid4().hex  # Health's process id (never changes here)
 
-  async def load_version(self, version: int) -> None:
+  async def load_version(self, version: int, incarnation: str | None = None) -> None:
     # Loading reads files and copies to device: keep it off the event loop.
-    await asyncio.to_thread(self.driver.load_version, version)
+    await asyncio.to_thread(self.driver.load_version, version, incarnation)
 
   async def stream(self, request: api.RolloutRequest) -> AsyncIterator[api.RolloutChunk]:
     """Yields chunks, then the final :class:`RolloutResult`; raises RolloutError.
@@ -148,6 +154,23 @@ class EmbeddedRolloutClient:
 
   async def status(self) -> api.ServerStatus:
     return self.driver.status()
+
+  async def health(self, timeout_s: float = 5.0) -> dict:
+    """As ``GrpcRolloutClient.health``; raises RolloutError once the driver
+    is stopped or its loop crashed (``status`` would still answer)."""
+    del timeout_s  # in-process: nothing to wait for
+    self.driver._check_alive()  # pylint: disable=protected-access
+    st = self.driver.status()
+    return {
+        "live": True,
+        "name": self.name,
+        "instance": self._instance,
+        "versions_loaded": list(st.versions_loaded),
+        "newest_version": st.newest_version,
+        "generated_tokens": int(st.generated_tokens),
+        "active_slots": int(st.active_slots),
+        "queued_requests": int(st.queued_requests),
+    }
 
   async def close(self) -> None:
     if not self._closed:

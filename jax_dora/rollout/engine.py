@@ -293,9 +293,11 @@ class DoraEngine(engine_api.Engine):
       self._abstract_params = abstract_target_like(shapes, self.param_sharding)
     return self._abstract_params
 
-  def load_params(self, reader: SnapshotReader, version: int) -> Params:  # pytype: disable=signature-mismatch
-    """Restores snapshot ``version`` straight onto this engine's devices."""
-    params, _ = reader.load(int(version), target=self.abstract_params())
+  def load_params(  # pytype: disable=signature-mismatch
+      self, reader: SnapshotReader, version: int, incarnation: str | None = None
+  ) -> Params:
+    """Restores snapshot ``version`` (of run ``incarnation``) onto this engine's devices."""
+    params, _ = reader.load(int(version), target=self.abstract_params(), incarnation=incarnation)
     return params
 
   def place_params(self, params: Params) -> Params:

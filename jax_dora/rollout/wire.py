@@ -62,20 +62,20 @@ class WireError:
   @classmethod
   def from_exception(cls, e: BaseException, request_id: str) -> WireError:
     ids = tuple(getattr(e, "failed_request_ids", ())) or (request_id,)
-    kind = (
-        "VersionUnavailableError"
-        if isinstance(e, api.VersionUnavailableError)
-        else "RolloutError"
-    )
+    kind = next((k for k, t in _ERROR_KINDS.items() if isinstance(e, t)), "RolloutError")
     return cls(kind=kind, message=str(e) or type(e).__name__, request_ids=ids)
 
   def to_exception(self, prefix: str = "") -> api.RolloutError:
-    cls = (
-        api.VersionUnavailableError
-        if self.kind == "VersionUnavailableError"
-        else api.RolloutError
-    )
+    cls = _ERROR_KINDS.get(self.kind, api.RolloutError)
     return cls(prefix + self.message, self.request_ids)
+
+
+# The RolloutError subclasses a client re-raises by name (subclasses first).
+_ERROR_KINDS: dict[str, type[api.RolloutError]] = {
+    "VersionUnavailableError": api.VersionUnavailableError,
+    "IncarnationMismatchError": api.IncarnationMismatchError,
+    "RolloutError": api.RolloutError,
+}
 
 
 _TYPES: dict[str, type] = {

@@ -25,6 +25,15 @@ listing atomically instead of being visible while half-deleted. A load that
 fails because its version vanished mid-read is reported as
 ``SnapshotNotFoundError`` (and retried automatically when loading the latest),
 never as corruption.
+
+**Run incarnations.** Version numbers alone do not identify parameters: a
+learner resumed from its checkpoint at step N publishes a new N+1 while
+servers may still hold the killed run's N+1, and a fresh run reusing a
+snapshot directory starts again at 0. Every start of a run (fresh or resumed)
+therefore picks a new *incarnation* id; the publisher writes it into every
+version's metadata and readers asked for ``(version, incarnation)`` refuse a
+snapshot of another incarnation (``SnapshotNotFoundError``) instead of
+loading the wrong parameters silently.
 """
 
 from __future__ import annotations
@@ -232,6 +241,7 @@ class SnapshotPublisher:
       max_to_keep: int | None = 4,
       async_save: bool = False,
       processes: Collection[int] | None = None,
+      incarnation: str | None = None,
   ):
     """Opens (creating if needed) the snapshot directory.
 
@@ -245,7 +255,10 @@ class SnapshotPublisher:
       processes: Under ``jax.distributed``, the processes that publish
         together (the learner's); ``None`` means every process of the
         cluster. Readers never take part (see ``multiprocessing_options``).
+      incarnation: The run incarnation written into every version's metadata
+        (see the module docstring); ``None`` writes none.
     """
+    self.incarnation = incarnation
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
     self._directory = absolute_path(directory)
@@ -318,6 +331,8 @@ class SnapshotPublisher:
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
       raise TypeError(f'metadata must be a dict, got {type(metadata)}')
+    if self.incarnation is not None:
+      metadata = dict(metadata, incarnation=self.incarnation)
     # Fail here, with a clear message, rather than inside Orbax's (possibly
     # background) writer after the params are already half written.
     try:
@@ -491,7 +506,10 @@ class SnapshotReader:
       time.sleep(min(poll_s, remaining))
 
   def load(
-      self, version: int | None = None, target: PyTree | None = None
+      self,
+      version: int | None = None,
+      target: PyTree | None = None,
+      incarnation: str | None = None,
   ) -> tuple[PyTree, dict[str, Any]]:
     """Loads ``(params, metadata)`` of ``version`` (default: latest).
 
@@ -502,14 +520,18 @@ class SnapshotReader:
         ``abstract_target_like``) or arrays whose shardings say where to put
         each leaf. If ``None``, leaves land on the default device: the saved
         shardings name the *publisher's* devices, which need not exist here.
+      incarnation: If given, the run incarnation the version must belong to.
 
     Raises:
-      SnapshotNotFoundError: no such (or no) finalized version.
+      SnapshotNotFoundError: no such (or no) finalized version, or one of
+        another incarnation than ``incarnation``.
       SnapshotCorruptError: the version is listed but unreadable; the Orbax /
         TensorStore / JSON exception is chained as ``__cause__``.
     """
     if version is not None:
-      return self._load_version(int(version), target)
+      params, metadata = self._load_version(int(version), target)
+      self._check_incarnation(int(version), metadata, incarnation)
+      return params, metadata
     for _ in range(_LATEST_RETRIES):
       latest = self.latest_version()
       if latest is None:
@@ -517,14 +539,55 @@ class SnapshotReader:
             f'No snapshots published in {self._directory} yet.'
         )
       try:
-        return self._load_version(latest, target)
+        params, metadata = self._load_version(latest, target)
       except SnapshotNotFoundError:
         continue  # Retired while we read it; a newer one exists.
+      self._check_incarnation(latest, metadata, incarnation)
+      return params, metadata
     raise SnapshotNotFoundError(
         f'Latest snapshot in {self._directory} kept being garbage-collected '
         f'while loading ({_LATEST_RETRIES} attempts); the reader is too slow '
         'for the publisher\'s max_to_keep.'
     )
+
+  def read_metadata(self, version: int) -> dict[str, Any]:
+    """The JSON metadata of ``version`` alone (no params are read)."""
+    if not self.has_version(version):
+      raise SnapshotNotFoundError(
+          f'Snapshot version {version} not found in {self._directory}; '
+          f'available versions: {self.versions()}.'
+      )
+    try:
+      with self._restore_lock:
+        if self._checkpointer is None:
+          self._checkpointer = self._make_checkpointer()
+        restored = self._checkpointer.restore(
+            self._step_path(version),
+            args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()}),
+        )
+      return dict(restored[_METADATA])
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if version not in self.versions():
+        raise SnapshotNotFoundError(
+            f'Snapshot version {version} in {self._directory} was removed while reading it.'
+        ) from e
+      raise SnapshotCorruptError(
+          f'Snapshot version {version} in {self._directory}: unreadable metadata:'
+          f' {type(e).__name__}: {e}'
+      ) from e
+
+  def _check_incarnation(
+      self, version: int, metadata: dict[str, Any], incarnation: str | None
+  ) -> None:
+    if incarnation is None:
+      return
+    found = metadata.get('incarnation')
+    if found != incarnation:
+      raise SnapshotNotFoundError(
+          f'Snapshot version {version} in {self._directory} belongs to run incarnation'
+          f' {found!r}, not {incarnation!r}: another run (or a killed incarnation of this'
+          ' one) published it; the current incarnation has not published this version.'
+      )
 
   def _load_version(
       self, version: int, target: PyTree | None
