@@ -24,6 +24,11 @@ from the file alone (:meth:`IntegrityLedger.from_log`) after the process is
 gone. A resumed run truncates the log to what its checkpoint had already
 trained and keeps those records ("carried"), so a sample trained before the
 checkpoint and again after the resume is still caught.
+
+The log may be a local file or a ``gs://``-style URI. A remote log is rewritten
+whole on each (throttled) flush, never between the records of one learner
+step (see :class:`jax_dora.metrics.jsonl.JsonlAppender`); call
+:meth:`IntegrityLedger.flush` before saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jax_dora.metrics.jsonl import read_jsonl, rewrite_jsonl
+from jax_dora.metrics.jsonl import (REMOTE_FLUSH_INTERVAL_S, JsonlAppender, PathLike, as_path,
+                                    read_jsonl)
 from jax_dora.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -54,7 +60,7 @@ PENDING = "pending"
 _OPEN = (ISSUED, FINISHED, AWAITING_REGENERATION)
 
 
-def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_log(path: PathLike) -> list[dict[str, Any]]:
   """Reads a trained-sample log; a torn last line (killed writer) is skipped."""
   return read_jsonl(path)
 
@@ -68,17 +74,19 @@ class IntegrityLedger:
 
   def __init__(
       self,
-      path: str | os.PathLike | None = None,
+      path: PathLike | None = None,
       *,
       group_size: int,
       max_staleness: int,
       allow_multi_version: bool = False,
       truncate_after_step: int | None = 0,
+      flush_interval_s: float = REMOTE_FLUSH_INTERVAL_S,
   ):
     """Opens the ledger.
 
     Args:
-      path: JSONL log file; ``None`` keeps the ledger in memory only.
+      path: JSONL log file, a local path or a URI (``gs://...``); ``None``
+        keeps the ledger in memory only.
       group_size: ``G``; a trained group must contain members ``0..G-1``.
       max_staleness: the hard bound checked on every trained record.
       allow_multi_version: True for modes that resume interrupted rollouts on
@@ -88,6 +96,9 @@ class IntegrityLedger:
         N`` and drops recorded before step ``N``), discard everything else and
         start a new run. 0 starts fresh. ``None`` appends to the log as is
         (everything in it becomes carried history).
+      flush_interval_s: for a URI, least seconds between two uploads of the
+        log (each rewrites the whole object); :meth:`flush` and :meth:`close`
+        always upload.
     """
     self.group_size = int(group_size)
     self.max_staleness = int(max_staleness)
@@ -95,18 +106,16 @@ class IntegrityLedger:
     self.path = None if path is None else os.fspath(path)
     self._lock = threading.RLock()
     self._reset_state()
-    self._file = None
+    self._out: JsonlAppender | None = None
     resumed_from = 0 if truncate_after_step is None else int(truncate_after_step)
     history: list[dict[str, Any]] = []
     if self.path is not None:
-      if os.path.exists(self.path):
-        history = read_log(self.path)
+      keep = None
+      if as_path(path).exists():
+        history = read_log(path)
         if truncate_after_step is not None:
-          history = self._final_before(history, int(truncate_after_step))
-          rewrite_jsonl(self.path, history)
-      else:
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-      self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+          history = keep = self._final_before(history, int(truncate_after_step))
+      self._out = JsonlAppender(path, keep=keep, flush_interval_s=flush_interval_s)
     for r in history:
       self._apply(r, carried=True)
     trained_steps = [int(r["step"]) for r in history if r["event"] == "trained"]
@@ -144,7 +153,7 @@ class IntegrityLedger:
   @classmethod
   def from_log(
       cls,
-      path: str | os.PathLike,
+      path: PathLike,
       *,
       group_size: int,
       max_staleness: int,
@@ -166,13 +175,15 @@ class IntegrityLedger:
     return led
 
   # -------------------------------------------------------------- recording
-  def _emit(self, rec: dict[str, Any]) -> None:
+  def _emit(self, *recs: dict[str, Any]) -> None:
+    """Logs and applies ``recs`` as one batch (a remote log never splits it)."""
     with self._lock:
-      rec.setdefault("step", self._step)
-      if self._file is not None:
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
-      self._apply(rec, carried=False)
+      for rec in recs:
+        rec.setdefault("step", self._step)
+      if self._out is not None:
+        self._out.append(json.dumps(rec) for rec in recs)
+      for rec in recs:
+        self._apply(rec, carried=False)
 
   def _violation(self, kind: str, key: Key, msg: str) -> None:
     if (kind, key) not in self._reported:
@@ -280,14 +291,13 @@ class IntegrityLedger:
     """The trajectories were consumed by learner step ``step`` at ``learner_version``."""
     with self._lock:
       self._step = int(step)
-      for t in trajs:
-        self._emit({
-            "event": "trained", "sample_id": int(t.sample_id), "member": int(t.member),
-            "spans": _spans_json(t), "num_tokens": t.num_completion_tokens,
-            "learner_version": int(learner_version), "step": int(step),
-            "start_version": int(t.start_version), "finish_version": int(t.finish_version),
-            "reward": None if t.reward is None else float(t.reward),
-        })
+      self._emit(*({
+          "event": "trained", "sample_id": int(t.sample_id), "member": int(t.member),
+          "spans": _spans_json(t), "num_tokens": t.num_completion_tokens,
+          "learner_version": int(learner_version), "step": int(step),
+          "start_version": int(t.start_version), "finish_version": int(t.finish_version),
+          "reward": None if t.reward is None else float(t.reward),
+      } for t in trajs))
 
   def rejected(self, group: Sequence[Trajectory], reason: str, *, regenerate: bool,
                version: int | None = None) -> None:
@@ -365,11 +375,21 @@ class IntegrityLedger:
                 for k in open_keys]
       return out
 
+  def flush(self) -> None:
+    """Makes every event so far durable (uploads a remote log).
+
+    Call before saving a checkpoint: a run resumed from it then finds every
+    record that checkpoint made final in the log.
+    """
+    with self._lock:
+      if self._out is not None:
+        self._out.flush()
+
   def close(self) -> None:
     with self._lock:
-      if self._file is not None:
-        self._file.close()
-        self._file = None
+      if self._out is not None:
+        self._out.close()
+        self._out = None
 
   def __enter__(self) -> IntegrityLedger:
     return self
