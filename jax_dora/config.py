@@ -123,6 +123,9 @@ def base_config() -> ml_collections.ConfigDict:
           mesh_data=-1,
           mesh_fsdp=1,
           mesh_tensor=1,
+          # Save every trained batch as <dir>/step_<n>.npz ("" = off): replay
+          # a run's updates offline, or compare learners on identical data.
+          dump_batches_dir="",
       )
   )
 

@@ -29,7 +29,16 @@ from jax_dora.config import ConfigError, validate
 from jax_dora.distributed import maybe_initialize_distributed
 from jax_dora.data import PromptStream, load_file_splits, make_eval_prompts, uses_files
 from jax_dora.learner.batching import parse_buckets
+from jax_dora.learner.batch_dump import BatchRecorder
 from jax_dora.learner.mesh import make_mesh, split_devices
+from jax_dora.learner.multihost import (
+    LeaderLearner,
+    LeaderPublisher,
+    LearnerGroup,
+    follow,
+    leader_checkpoint,
+    stop_followers,
+)
 from jax_dora.learner.train_state import Learner
 from jax_dora.metrics.jsonl import MetricsWriter
 from jax_dora.orchestrator.dispatch import Dispatcher
@@ -193,6 +202,9 @@ def run_training(
   """Runs a full training job described by ``cfg``; returns the summary.
 
   ``after_step(record, orchestrator)`` is called after every learner step.
+  Under ``jax.distributed`` with a learner of several processes, the primary
+  learner process runs the orchestrator and the others mirror its learner
+  operations (``jax_dora.learner.multihost``); they return a short summary.
   """
   validate(cfg)
   if cfg.role == "rollout":
@@ -201,16 +213,19 @@ def run_training(
   setup_logging()
   maybe_initialize_distributed(cfg)
   paths = RunPaths.from_config(cfg)
-  paths.output_dir.mkdir(parents=True, exist_ok=True)
-
   policy = resolve_policy(cfg)
-  write_run_metadata(paths, cfg, policy)
   tokenizer = policy.tokenizer
   remote = cfg.role == "learner"  # validate(): role=learner <=> server addresses
   n_rollout = 0 if remote else cfg.rollout.num_servers * cfg.rollout.devices_per_server
   procs = learner_processes(cfg)
   learner_devs, rollout_devs = split_devices(
       cfg.learner.num_devices, n_rollout, learner_candidate_devices(procs))
+  group = LearnerGroup(learner_devs)
+  if group.multi_process and not remote:
+    raise ConfigError(
+        f"the learner spans processes {group.processes}: rollout servers must be remote"
+        " (config.role=learner with config.rollout.server_addresses); only the primary"
+        " learner process runs the orchestrator")
   if not remote and set(learner_devs) & set(rollout_devs):
     log.warning("only one device: learner and rollout share it")
   mesh = make_mesh(learner_devs, cfg.learner.mesh_data, cfg.learner.mesh_fsdp, cfg.learner.mesh_tensor)
@@ -221,11 +236,14 @@ def run_training(
         f"learner batch of {batch_rows} trajectories (groups_per_step x group_size) is not"
         f" divisible by the {batch_shards} data x fsdp shards of the learner mesh {dict(mesh.shape)}"
     )
-  log.info("mode=%s learner mesh %s on %d devices; %s rollout", cfg.mode, dict(mesh.shape),
-           len(learner_devs), "remote" if remote else f"{len(rollout_devs)} embedded device(s)")
+  if group.is_primary:
+    paths.output_dir.mkdir(parents=True, exist_ok=True)
+    write_run_metadata(paths, cfg, policy)
+  log.info("mode=%s learner mesh %s on %d devices of %d process(es); %s rollout", cfg.mode,
+           dict(mesh.shape), len(learner_devs), group.size,
+           "remote" if remote else f"{len(rollout_devs)} embedded device(s)")
 
   checkpointer = RunCheckpointer(paths.checkpoints, cfg.checkpoint.max_to_keep, processes=procs)
-  pending: list[Prompt] = []
   resumed_step = checkpointer.latest_step() if cfg.checkpoint.resume else None
   if not cfg.checkpoint.resume:
     checkpointer.discard_after(0)  # a fresh run starts the directory over
@@ -245,28 +263,11 @@ def run_training(
     t0 = time.time()
     learner.warmup(batch_rows, parse_buckets(str(cfg.learner.seq_len_buckets), cfg.model.max_seq_len))
     log.info("compiled the train step for every length bucket in %.1fs", time.time() - t0)
-  stream = PromptStream(cfg, tokenizer)
-  eval_prompts = (make_eval_prompts(cfg, cfg.eval.num_prompts, tokenizer)
-                  if cfg.eval.num_prompts else [])
-  if uses_files(cfg):
-    splits = load_file_splits(cfg, tokenizer)
-    log.info("data: %d train / %d eval records of %s (%s)", len(splits.train), len(splits.eval),
-             cfg.data.format, "nothing skipped" if not splits.skipped else f"skipped {splits.skipped}")
+  meta: dict[str, Any] = {}
   if resumed_step is not None:
-    state, meta = checkpointer.restore(resumed_step, learner.state)
-    learner.state = state
-    stream.set_state(meta["stream"])
-    pending = [prompt_from_json(p) for p in meta["pending_prompts"]]
-    log.info("resumed from step %d with %d pending prompts", resumed_step, len(pending))
-  ledger = IntegrityLedger(
-      str(paths.trained_log),
-      group_size=cfg.learner.group_size,
-      max_staleness=cfg.orchestrator.max_staleness,
-      allow_multi_version=cfg.mode in ("partial_rollout", "async_unfiltered"),
-      truncate_after_step=resumed_step if resumed_step is not None else 0,
-  )
+    learner.state, meta = checkpointer.restore(resumed_step, learner.state)
 
-  incarnation = new_incarnation()
+  incarnation = group.broadcast_text(new_incarnation())
   publisher = SnapshotPublisher(paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep,
                                 processes=procs, incarnation=incarnation)
   version = learner.step
@@ -277,12 +278,67 @@ def run_training(
   publisher.publish(version, learner.params, {"step": version})
   log.info("run incarnation %s starts at policy version %d", incarnation, version)
 
+  if not group.is_primary:
+    ok = follow(group, learner, publisher,
+                lambda step: checkpointer.save(step, learner.state, {"step": step}))
+    publisher.close()
+    checkpointer.close()
+    return {"steps": learner.step, "role": "learner-follower", "incarnation": incarnation,
+            "integrity_violations": [] if ok else ["the primary learner process failed"]}
+  try:
+    return _orchestrate(cfg, paths, policy, learner, publisher, checkpointer, group, meta,
+                        resumed_step, incarnation, rollout_devs, after_step)
+  finally:
+    publisher.close()
+    checkpointer.close()
+
+
+def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, publisher,
+                 checkpointer: RunCheckpointer, group: LearnerGroup, meta: dict[str, Any],
+                 resumed_step: int | None, incarnation: str, rollout_devs,
+                 after_step) -> dict[str, Any]:
+  """The primary learner process: prompts, rollouts, batches, publishes, checkpoints."""
+  tokenizer = policy.tokenizer
+  stream = PromptStream(cfg, tokenizer)
+  eval_prompts = (make_eval_prompts(cfg, cfg.eval.num_prompts, tokenizer)
+                  if cfg.eval.num_prompts else [])
+  if uses_files(cfg):
+    splits = load_file_splits(cfg, tokenizer)
+    log.info("data: %d train / %d eval records of %s (%s)", len(splits.train), len(splits.eval),
+             cfg.data.format, "nothing skipped" if not splits.skipped else f"skipped {splits.skipped}")
+  pending: list[Prompt] = []
+  if resumed_step is not None:
+    stream.set_state(meta["stream"])
+    pending = [prompt_from_json(p) for p in meta["pending_prompts"]]
+    log.info("resumed from step %d with %d pending prompts", resumed_step, len(pending))
+  ledger = IntegrityLedger(
+      paths.trained_log,
+      group_size=cfg.learner.group_size,
+      max_staleness=cfg.orchestrator.max_staleness,
+      allow_multi_version=cfg.mode in ("partial_rollout", "async_unfiltered"),
+      truncate_after_step=resumed_step if resumed_step is not None else 0,
+  )
+
+  metrics = MetricsWriter(paths.metrics, keep_through_step=resumed_step or 0)
+
   def checkpoint(step: int, pending_prompts: list[Prompt], stream_state: dict[str, Any]) -> None:
+    # On an object store the logs upload in batches: make them durable first,
+    # so a resume from this checkpoint finds every step it carries over.
+    ledger.flush()
+    metrics.flush()
     checkpointer.save(step, learner.state, {
         "step": step,
         "stream": stream_state,
         "pending_prompts": [prompt_to_json(p) for p in pending_prompts],
     })
+
+  trainer: Any = learner
+  if group.multi_process:
+    trainer = LeaderLearner(learner, group)
+    publisher = LeaderPublisher(publisher, group)
+    checkpoint = leader_checkpoint(checkpoint, group)
+  if cfg.learner.dump_batches_dir:
+    trainer = BatchRecorder(trainer, cfg.learner.dump_batches_dir)
 
   clients = build_rollout_clients(cfg, paths.snapshots, rollout_devs, policy)
   scorer = RewardScorer.from_config(cfg)
@@ -297,39 +353,44 @@ def run_training(
 
     progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True)
 
-  with MetricsWriter(str(paths.metrics), keep_through_step=resumed_step or 0) as metrics:
-    orch = Orchestrator(
-        cfg,
-        learner=learner,
-        publisher=publisher,
-        dispatcher=dispatcher,
-        prompt_source=stream,
-        tokenizer=tokenizer,
-        scorer=scorer,
-        metrics=metrics,
-        ledger=ledger,
-        eval_prompts=eval_prompts,
-        checkpoint_fn=checkpoint,
-        pending_prompts=pending,
-        progress=progress,
-        after_step=after_step,
-        incarnation=incarnation,
-    )
+  failed = True
+  try:
+    with metrics:
+      orch = Orchestrator(
+          cfg,
+          learner=trainer,
+          publisher=publisher,
+          dispatcher=dispatcher,
+          prompt_source=stream,
+          tokenizer=tokenizer,
+          scorer=scorer,
+          metrics=metrics,
+          ledger=ledger,
+          eval_prompts=eval_prompts,
+          checkpoint_fn=checkpoint,
+          pending_prompts=pending,
+          progress=progress,
+          after_step=after_step,
+          incarnation=incarnation,
+      )
 
-    async def main():
-      try:
-        return await orch.run()
-      finally:
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-        scorer.close()
+      async def main():
+        try:
+          return await orch.run()
+        finally:
+          await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+          scorer.close()
 
-    summary = run_async(main)
-  if progress is not None:
-    progress.close()
-  ledger.close()
-  publisher.close()
-  checkpointer.close()
+      summary = run_async(main)
+    failed = False
+  finally:
+    stop_followers(group, failed)
+    if progress is not None:
+      progress.close()
+    ledger.close()
   summary["output_dir"] = str(paths.output_dir)
+  summary["incarnation"] = incarnation
+  summary["samples_drawn"] = stream.next_sample_id
   summary["reward_failures"] = scorer.metrics()
   if uses_files(cfg):
     summary["data_rows_skipped"] = load_file_splits(cfg, tokenizer).skipped

@@ -12,7 +12,10 @@ Usage: launch_learner.sh --name NAME --zone ZONE --bucket BUCKET --run-name RUN
 
 Runs `python -m jax_dora.train --config.role=learner` under nohup on every
 worker of the learner slice (multi-host: jax.distributed is initialised by the
-program, coordinator/process ids are auto-detected on TPU VMs). Outputs go to
+program, coordinator/process ids are auto-detected on TPU VMs). Worker 0 runs
+the one orchestrator (prompts, rollouts, batches, publishes); the other
+workers mirror its train steps on the same global batch over all the slice's
+chips (jax_dora/learner/multihost.py). Outputs go to
 gs://BUCKET/RUN, snapshots to gs://BUCKET/RUN/snapshots. Each worker logs to
 ~/jax-dora-logs/RUN/learner-<hostname>.log.
 

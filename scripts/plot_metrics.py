@@ -38,6 +38,8 @@ def _value(rec: dict[str, Any], key: str) -> float | None:
   v = rec.get(key)
   if isinstance(v, dict):  # a staleness histogram
     v = v.get("mean")
+  if isinstance(v, str) and v in ("NaN", "Infinity", "-Infinity"):
+    return float(v)  # a non-finite metric (jax_dora.metrics.jsonl.to_jsonable)
   return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 

@@ -22,12 +22,15 @@ def test_writer_adds_step_and_time_and_converts_numpy(tmp_path):
     w.write({
         "step": np.int64(3), "loss": np.float32(0.5), "vec": np.arange(3),
         "ok": np.bool_(True), "bad": float("nan"), "hist": {"0": np.int32(2)},
+        "big": np.float32("inf"),
     })
     # Flushed per line: readable while the writer is still open.
     (rec,) = read_metrics(path)
     w.write({"x": 1})
   assert rec["step"] == 3 and rec["loss"] == 0.5 and rec["vec"] == [0, 1, 2] and rec["ok"] is True
-  assert rec["bad"] is None and rec["hist"] == {"0": 2} and rec["time"] > 0
+  # Non-finite values stay visible (never silently null) and valid JSON.
+  assert rec["bad"] == "NaN" and rec["big"] == "Infinity"
+  assert rec["hist"] == {"0": 2} and rec["time"] > 0
   recs = read_metrics(path)
   assert recs[1]["step"] == 1 and recs[1]["x"] == 1
   with MetricsWriter(str(path)) as w:  # a resumed run appends

@@ -165,3 +165,116 @@ def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
         p.wait(10)
     for f in logs:
       f.close()
+
+
+@pytest.mark.timeout(330)
+def test_two_learner_processes_train_like_one(tmp_path):
+  """Two learner processes + one rollout server in one jax.distributed cluster.
+
+  Only the primary learner process runs the orchestrator; the other mirrors its
+  train steps, publishes and checkpoints on the identical global batch. The
+  run must finish a ``dora_pace`` run with a clean audit, and its per-step
+  losses must equal a one-process learner's (same devices count and mesh
+  shape, built here) replaying the exact batches the run trained on.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from jax_dora.config import base_config  # pylint: disable=g-import-not-at-top
+  from jax_dora.learner.batch_dump import load_batches  # pylint: disable=g-import-not-at-top
+  from jax_dora.learner.mesh import make_mesh  # pylint: disable=g-import-not-at-top
+  from jax_dora.learner.train_state import Learner  # pylint: disable=g-import-not-at-top
+  from jax_dora.orchestrator.integrity import IntegrityLedger  # pylint: disable=g-import-not-at-top
+  from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
+
+  coordinator = f"127.0.0.1:{_free_port()}"
+  rollout_port = _free_port()
+  out, batches = tmp_path / "run", tmp_path / "batches"
+  common = [
+      f"--config.snapshots.directory={tmp_path / 'snapshots'}",
+      "--config.rollout.slots=8", "--config.rollout.devices_per_server=1",
+      "--config.distributed.enabled=True",
+      f"--config.distributed.coordinator_address={coordinator}",
+      "--config.distributed.num_processes=3",
+      "--config.distributed.num_learner_processes=2",
+  ] + [f"--config.model.{k}={v}" for k, v in _MODEL.items()]
+  server_args = [
+      sys.executable, "-m", "jax_dora.rollout.server_main", "--config=configs/tiny.py",
+      "--host=127.0.0.1", "--grace_s=1", f"--config.rollout.port={rollout_port}",
+      "--config.distributed.process_id=2",
+  ] + common
+  learner_args = [
+      sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+      "--config.mode=dora_pace", f"--config.total_steps={_STEPS}",
+      f"--config.output_dir={out}", "--config.role=learner",
+      f"--config.rollout.server_addresses=127.0.0.1:{rollout_port}",
+      "--config.learner.num_devices=-1", "--config.learner.groups_per_step=2",
+      "--config.learner.group_size=4", "--config.eval.num_prompts=0",
+      "--config.eval.at_start=False", "--config.progress_bar=False",
+      "--config.checkpoint.every_steps=2",
+      f"--config.learner.dump_batches_dir={batches}",
+  ] + common
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  names = ["server", "learner0", "learner1"]
+  logs = {n: tmp_path / f"{n}.log" for n in names}
+  files = [open(logs[n], "wb") for n in names]
+  procs: dict[str, subprocess.Popen] = {}
+  try:
+    for n, f in zip(names, files):
+      args = server_args if n == "server" else learner_args + [
+          f"--config.distributed.process_id={n[-1]}"]
+      procs[n] = subprocess.Popen(args, cwd=_REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+    def logs_text() -> str:
+      return "\n".join(f"--- {n} ---\n{_tail(logs[n])}" for n in names)
+
+    # Done when the primary wrote its summary and the follower got STOP; then
+    # all three leave the cluster together (the learners wait in
+    # jax.distributed's shutdown barrier for the server).
+    deadline = time.monotonic() + 240
+    while not ((out / "summary.json").exists()
+               and "steps mirrored" in _tail(logs["learner1"], 10**6)):
+      for n, p in procs.items():
+        if p.poll() is not None:
+          raise AssertionError(f"{n} exited early with {p.returncode}\n{logs_text()}")
+      if time.monotonic() > deadline:
+        raise AssertionError(f"training did not finish in time\n{logs_text()}")
+      time.sleep(0.5)
+    time.sleep(0.5)
+    procs["server"].send_signal(signal.SIGTERM)
+    for n in names:
+      assert procs[n].wait(60) == 0, logs_text()
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+        p.wait(10)
+    for f in files:
+      f.close()
+
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["steps"] == _STEPS and summary["integrity_violations"] == [], summary
+  ledger = IntegrityLedger.from_log(out / "trained_samples.jsonl", group_size=4, max_staleness=2)
+  assert ledger.check() == []
+  # One orchestrator: the follower drew no prompts and sent no requests.
+  follower = _tail(logs["learner1"], 10**6)
+  assert f"learner follower: {_STEPS} steps mirrored; primary finished" in follower
+  assert "of 2 process(es); remote rollout" in _tail(logs["learner0"], 10**6)
+  # Both learner processes saved their shards of the run checkpoints.
+  assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+
+  recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+  run_losses = [r["train/loss"] for r in recs]
+  cfg = base_config()
+  for k, v in _MODEL.items():
+    cfg.model[k] = v
+  cfg.learner.groups_per_step, cfg.learner.group_size = 2, 4
+  policy = resolve_policy(cfg)
+  import jax  # pylint: disable=g-import-not-at-top
+
+  mesh = make_mesh(jax.devices()[:4], -1, 1, 1)
+  solo = Learner(policy.model_cfg, cfg.learner, mesh, temperature=cfg.rollout.temperature,
+                 seed=cfg.seed, suppress_mask=policy.suppress_mask)
+  solo_losses = [solo.train_step(b)["loss"] for b in load_batches(str(batches))]
+  assert len(solo_losses) == _STEPS
+  np.testing.assert_allclose(run_losses, solo_losses, rtol=1e-5, atol=1e-6)

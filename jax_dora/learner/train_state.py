@@ -52,6 +52,19 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
   )
 
 
+def batch_shapes(batch_rows: int, seq_len: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """``name -> (shape, dtype)`` of a train batch (``learner.batching.make_batch``)."""
+  t = int(seq_len) - 1
+  return {
+      "inputs": ((batch_rows, t), np.int32),
+      "targets": ((batch_rows, t), np.int32),
+      "positions": ((batch_rows, t), np.int32),
+      "mask": ((batch_rows, t), np.float32),
+      "behaviour_logprobs": ((batch_rows, t), np.float32),
+      "advantages": ((batch_rows,), np.float32),
+  }
+
+
 class TrainingDivergedError(RuntimeError):
   """A train step produced a NaN/inf loss, gradient norm or other metric."""
 
@@ -238,20 +251,23 @@ class Learner:
     Its ``memory_analysis()`` is XLA's buffer assignment for the step: what
     ``benchmarks/learner_memory.py`` compares across memory settings.
     """
-    t = int(seq_len) - 1
-
-    def spec(shape, dtype):
-      return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
-
-    batch = {
-        "inputs": spec((batch_rows, t), jnp.int32),
-        "targets": spec((batch_rows, t), jnp.int32),
-        "positions": spec((batch_rows, t), jnp.int32),
-        "mask": spec((batch_rows, t), jnp.float32),
-        "behaviour_logprobs": spec((batch_rows, t), jnp.float32),
-        "advantages": spec((batch_rows,), jnp.float32),
-    }
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+             for k, (shape, dtype) in batch_shapes(batch_rows, seq_len).items()}
     return self._step_fn.lower(self.state, batch).compile()
+
+  def batch_template(self, batch_rows: int, seq_len: int) -> dict[str, np.ndarray]:
+    """Zeros shaped like a host batch of ``[batch_rows, seq_len]`` rows."""
+    return {k: np.zeros(shape, dtype) for k, (shape, dtype) in batch_shapes(batch_rows, seq_len).items()}
+
+  def detached_params(self, version: int | None = None) -> Any:
+    """A device copy of the params that the next (donating) train step cannot clobber.
+
+    What a background publish of ``version`` writes while training goes on.
+    """
+    del version  # the multi-host leader broadcasts it; one process needs nothing
+    out = jax.tree.map(jnp.copy, self.params)
+    jax.block_until_ready(out)
+    return out
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Places a host batch on the learner mesh (batch dim over data x fsdp)."""

@@ -49,8 +49,9 @@ REMOTE_FLUSH_INTERVAL_S = 30.0
 def to_jsonable(x: Any) -> Any:
   """Converts numpy / JAX scalars and arrays, tuples and non-finite floats.
 
-  Non-finite floats become ``None``: ``NaN`` is not JSON, and a file other
-  tools cannot parse is worse than a missing point on a plot.
+  Non-finite floats become the strings ``"NaN"``, ``"Infinity"`` and
+  ``"-Infinity"`` (what ``float()`` parses back): bare ``NaN`` is not JSON,
+  and ``null`` would hide a diverged value as a merely missing one.
   """
   if isinstance(x, dict):
     return {str(k): to_jsonable(v) for k, v in x.items()}
@@ -62,7 +63,9 @@ def to_jsonable(x: Any) -> Any:
     return int(x)
   if isinstance(x, (float, np.floating)):
     x = float(x)
-    return x if math.isfinite(x) else None
+    if math.isfinite(x):
+      return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
   if x is None or isinstance(x, str):
     return x
   if hasattr(x, "__array__"):  # np.ndarray, jax.Array

@@ -43,7 +43,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_dora.learner.batching import bucket_length, make_batch, parse_buckets
@@ -64,13 +63,6 @@ STREAMING_MODES = ("async_unfiltered", "dora", "dora_pace")
 # must load the new version before generating again; one_step_off's next batch
 # must start on the version of the step just taken (staleness exactly 1).
 BACKGROUND_PUBLISH_MODES = STREAMING_MODES
-
-
-def _detached_copy(params: Any) -> Any:
-  """A device copy of ``params`` that the next (donating) train step cannot clobber."""
-  out = jax.tree.map(jnp.copy, params)
-  jax.block_until_ready(out)
-  return out
 
 
 @dataclasses.dataclass
@@ -313,7 +305,7 @@ class Orchestrator:
     if self._publish_in_background:
       # Only the copy blocks the learner: the next (donating) train step may
       # start while Orbax writes this one.
-      snapshot = await asyncio.to_thread(_detached_copy, self.learner.params)
+      snapshot = await asyncio.to_thread(self.learner.detached_params, new_version)
       self.version = new_version
       self._queue_publish(new_version, snapshot)
     else:
