@@ -317,6 +317,7 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
       max_staleness=cfg.orchestrator.max_staleness,
       allow_multi_version=cfg.mode in ("partial_rollout", "async_unfiltered"),
       truncate_after_step=resumed_step if resumed_step is not None else 0,
+      incarnation=incarnation,
   )
 
   metrics = MetricsWriter(paths.metrics, keep_through_step=resumed_step or 0)
