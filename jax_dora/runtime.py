@@ -26,29 +26,29 @@ import ml_collections
 from etils import epath
 
 from jax_dora.config import ConfigError, validate
-from jax_dora.distributed import maybe_initialize_distributed
 from jax_dora.data import PromptStream, load_file_splits, make_eval_prompts, uses_files
-from jax_dora.learner.batching import parse_buckets
+from jax_dora.distributed import maybe_initialize_distributed
 from jax_dora.learner.batch_dump import BatchRecorder
+from jax_dora.learner.batching import parse_buckets
 from jax_dora.learner.mesh import make_mesh, split_devices
 from jax_dora.learner.multihost import (
-    LeaderLearner,
-    LeaderPublisher,
-    LearnerGroup,
-    follow,
-    leader_checkpoint,
-    stop_followers,
+  LeaderLearner,
+  LeaderPublisher,
+  LearnerGroup,
+  follow,
+  leader_checkpoint,
+  stop_followers,
 )
 from jax_dora.learner.train_state import Learner
 from jax_dora.metrics.jsonl import MetricsWriter
 from jax_dora.orchestrator.dispatch import Dispatcher
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.run_checkpoint import (
-    RunCheckpointer,
-    prompt_from_json,
-    prompt_to_json,
+  RunCheckpointer,
+  prompt_from_json,
+  prompt_to_json,
 )
-from jax_dora.orchestrator.runner import Orchestrator
+from jax_dora.orchestrator.runner import Orchestrator, PromptSupply, RunHooks
 from jax_dora.policy import PolicySpec, resolve_policy
 from jax_dora.rewards import RewardScorer
 from jax_dora.snapshots import SnapshotPublisher
@@ -214,7 +214,6 @@ def run_training(
   maybe_initialize_distributed(cfg)
   paths = RunPaths.from_config(cfg)
   policy = resolve_policy(cfg)
-  tokenizer = policy.tokenizer
   remote = cfg.role == "learner"  # validate(): role=learner <=> server addresses
   n_rollout = 0 if remote else cfg.rollout.num_servers * cfg.rollout.devices_per_server
   procs = learner_processes(cfg)
@@ -362,16 +361,12 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
           learner=trainer,
           publisher=publisher,
           dispatcher=dispatcher,
-          prompt_source=stream,
+          prompts=PromptSupply(stream, pending=pending, eval=eval_prompts),
           tokenizer=tokenizer,
           scorer=scorer,
-          metrics=metrics,
           ledger=ledger,
-          eval_prompts=eval_prompts,
-          checkpoint_fn=checkpoint,
-          pending_prompts=pending,
-          progress=progress,
-          after_step=after_step,
+          hooks=RunHooks(metrics, checkpoint_fn=checkpoint, progress=progress,
+                         after_step=after_step),
           incarnation=incarnation,
       )
 

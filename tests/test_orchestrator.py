@@ -263,7 +263,7 @@ def test_eval_completions_are_never_truncated_by_a_publish(tmp_path):
     seen.append(list(orch.last_eval_completions))
     answers = {p.sample_id: p for p in orch.eval_prompts}
     for sid, reason, n in orch.last_eval_completions:
-      want, _ = orch._length_budget(answers[sid])  # pylint: disable=protected-access
+      want, _ = orch.length_budget(answers[sid])
       assert (reason, n) == ("length", want), (sid, reason, n, want)
 
   summary = run_training(cfg, after_step=record)

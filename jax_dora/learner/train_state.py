@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_dora.learner.grpo import grpo_loss
 from jax_dora.learner.mesh import LOGICAL_AXIS_RULES

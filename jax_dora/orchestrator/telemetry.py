@@ -1,0 +1,56 @@
+"""What a run reports about itself: per-step log lines and rollout-server telemetry."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def log_line(rec: dict[str, Any]) -> str:
+  """One readable line per logged step (for runs read from a log file)."""
+  beh = rec.get("staleness_behaviour") or {}
+  parts = [
+      f"step {rec['step']}",
+      f"reward {rec['reward_mean']:.3f}",
+      f"len {rec['completion_len_mean']:.0f}",
+      f"loss {rec.get('train/loss', float('nan')):.4f}",
+      f"bubble {rec['bubble_ratio']:.2f}",
+      f"{rec['trained_tokens_per_s']:.0f} tok/s",
+      f"staleness mean {beh.get('mean') or 0:.2f} max {beh.get('max') or 0}",
+      f"pool {rec['pool_groups']}",
+  ]
+  if rec.get("eval_reward") is not None:
+    parts.append(f"eval {rec['eval_reward']:.3f}")
+  return " | ".join(parts)
+
+
+class RolloutTelemetry:
+  """Rollout idle share and decode passes per step, as deltas between samples.
+
+  ``rollout_idle_ratio`` = 1 - busy share of the servers' wall time;
+  ``decode_passes_per_step`` = live versions per decode step (1.0 = no
+  multi-version overhead; each extra held-and-pinned version costs a pass).
+  """
+
+  def __init__(self):
+    self._last: dict[str, tuple[float, float, int, int]] = {}
+
+  async def sample(self, clients: Sequence[Any]) -> dict[str, float | None]:
+    ratios, steps, passes = [], 0, 0
+    for c in clients:
+      try:
+        st = await c.status()
+      except Exception:  # pylint: disable=broad-exception-caught
+        continue
+      now = time.time()
+      prev = self._last.get(c.name)
+      self._last[c.name] = (now, st.busy_time_s, st.decode_steps, st.decode_passes)
+      if prev is not None and now > prev[0]:
+        ratios.append(1.0 - min(1.0, (st.busy_time_s - prev[1]) / (now - prev[0])))
+        steps += st.decode_steps - prev[2]
+        passes += st.decode_passes - prev[3]
+    return {
+        "rollout_idle_ratio": sum(ratios) / len(ratios) if ratios else None,
+        "decode_passes_per_step": passes / steps if steps else None,
+    }
