@@ -39,7 +39,7 @@ from jax_dora.model import CharTokenizer, ModelConfig, init_params  # pylint: di
 from jax_dora.rollout import api  # pylint: disable=wrong-import-position
 from jax_dora.rollout.driver import RolloutDriver  # pylint: disable=wrong-import-position
 from jax_dora.rollout.engine import DoraEngine  # pylint: disable=wrong-import-position
-from jax_dora.rollout.static_batch import StaticStats, static_generate  # pylint: disable=wrong-import-position
+from static_batch import StaticStats, static_generate  # pylint: disable=wrong-import-position
 from jax_dora.snapshots import SnapshotPublisher  # pylint: disable=wrong-import-position
 from jax_dora.tasks import long_tail  # pylint: disable=wrong-import-position
 

@@ -7,6 +7,8 @@ must produce exactly what a fresh full forward over each sequence predicts.
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,7 +159,11 @@ def test_prefill_rejects_overlong():
 
 
 def test_static_generate_matches_full_forward_greedy():
-  from jax_dora.rollout.static_batch import StaticStats, static_generate  # pylint: disable=g-import-not-at-top
+  # The static-batching baseline of benchmarks/rollout_throughput.py.
+  import sys  # pylint: disable=g-import-not-at-top
+
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  from static_batch import StaticStats, static_generate  # pylint: disable=g-import-not-at-top
   engine = _engine(temperature=0.0, num_slots=2)
   params = engine.place_params(init_params(CFG, jax.random.PRNGKey(5)))
   prompts = [_prompt("1+1="), _prompt("abcd"), _prompt("z")]

@@ -19,8 +19,12 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jax_dora.snapshots.store import manager_kwargs, multiprocessing_options, savable
-from jax_dora.snapshots.store import absolute_path
+from jax_dora.orbax_roles import (
+  absolute_path,
+  manager_kwargs,
+  multiprocessing_options,
+  savable,
+)
 from jax_dora.types import Prompt
 
 log = logging.getLogger(__name__)

@@ -39,17 +39,24 @@ loading the wrong parameters silently.
 from __future__ import annotations
 
 import json
-import os
 import logging
 import threading
 import time
 from collections.abc import Collection
 from typing import Any
 
-from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+from jax_dora.orbax_roles import (
+  absolute_path,
+  manager_kwargs,
+  multiprocessing_options,
+  savable,
+  this_process_only,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -66,17 +73,6 @@ _TRASH_SUBDIR = '.snapshot-trash'
 _LATEST_RETRIES = 8
 
 
-
-def absolute_path(directory: str | os.PathLike) -> epath.Path:
-  """Orbax requires absolute paths: resolve local ones, keep ``gs://`` URIs.
-
-  Users pass relative dirs (``--config.output_dir=runs/x``); resolving here,
-  in the one place every Orbax directory goes through, makes that just work.
-  """
-  text = os.fspath(directory)
-  if "://" in text:
-    return epath.Path(text)
-  return epath.Path(os.path.abspath(text))
 
 class SnapshotError(Exception):
   """Base class for snapshot-store failures."""
@@ -113,108 +109,6 @@ def _list_versions(directory: epath.Path) -> list[int]:
 
 def _is_local(directory: epath.Path) -> bool:
   return not str(directory).startswith('gs://')
-
-
-def multiprocessing_options(
-    processes: Collection[int] | None, barrier_prefix: str
-) -> ocp.options.MultiprocessingOptions | None:
-  """Orbax options for a role that runs on only ``processes`` of the cluster.
-
-  Under ``jax.distributed`` Orbax assumes by default that *every* process of
-  the cluster calls the same save/restore (barriers over all processes,
-  process 0 writes metadata and finalizes). A jax-dora cluster may hold
-  several roles (the learner's processes and rollout servers), which never
-  checkpoint together, so each role names its own processes: barriers then
-  span only those and the lowest one is the primary host.
-
-  Returns ``None`` (Orbax defaults) for ``processes=None`` or a
-  single-process runtime, so single-process behaviour is untouched.
-  """
-  if processes is None or jax.process_count() == 1:
-    return None
-  procs = {int(p) for p in processes}
-  if jax.process_index() not in procs:
-    raise ValueError(
-        f'process {jax.process_index()} is not one of the processes {sorted(procs)}'
-        ' this Orbax role was configured for'
-    )
-  return ocp.options.MultiprocessingOptions(
-      primary_host=min(procs),
-      active_processes=procs,
-      barrier_sync_key_prefix=barrier_prefix,
-  )
-
-
-def this_process_only(barrier_prefix: str) -> ocp.options.MultiprocessingOptions | None:
-  """Orbax options for I/O done by this process alone (rollout readers)."""
-  return multiprocessing_options({jax.process_index()}, barrier_prefix)
-
-
-def savable(tree: PyTree) -> PyTree:
-  """``tree`` in a form Orbax will save under ``jax.distributed``.
-
-  Orbax refuses to save a fully addressable (this-process-only) ``jax.Array``
-  when ``jax.process_count() > 1``: it assumes such arrays come from ``pmap``.
-  A learner that is one process of a cluster shared with rollout servers has
-  exactly such arrays, so they are saved as host numpy arrays (Orbax writes
-  those from process 0, which is why the learner's processes come first).
-  Readers restore them onto their own shardings as usual. Arrays spanning
-  several processes (a multi-host learner) and single-process runs are left
-  as they are.
-  """
-  if jax.process_count() == 1:
-    return tree
-
-  def convert(x):
-    if isinstance(x, jax.Array) and x.is_fully_addressable:
-      return np.asarray(x)
-    return x
-
-  return jax.tree.map(convert, tree)
-
-
-def handler_registry(
-    mp: ocp.options.MultiprocessingOptions, standard_item: str, json_item: str
-) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
-  """Handlers for a ``StandardSave`` and a ``JsonSave`` item, honouring ``mp``.
-
-  Needed with non-default multiprocessing options: handlers that Orbax
-  creates lazily from the args would use its defaults (all processes,
-  primary host 0) and wait on barriers the other roles never reach.
-  """
-  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-  standard = ocp.StandardCheckpointHandler(multiprocessing_options=mp)
-  js = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
-  registry.add(standard_item, ocp.args.StandardSave, standard)
-  registry.add(standard_item, ocp.args.StandardRestore, standard)
-  registry.add(json_item, ocp.args.JsonSave, js)
-  registry.add(json_item, ocp.args.JsonRestore, js)
-  return registry
-
-
-def manager_kwargs(
-    directory: epath.Path,
-    mp: ocp.options.MultiprocessingOptions | None,
-    standard_item: str,
-    json_item: str,
-    create: bool = True,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-  """``(CheckpointManager kwargs, CheckpointManagerOptions kwargs)`` for ``mp``.
-
-  With ``mp=None`` this is the plain single-role setup (``item_names``,
-  Orbax creates the directory). Otherwise handlers carry ``mp`` and the
-  directory is created here: Orbax refuses ``create=True`` together with
-  ``active_processes``; ``mkdir(exist_ok=True)`` by every process of the
-  role is race-free.
-  """
-  if mp is None:
-    return dict(item_names=(standard_item, json_item)), dict(create=create)
-  if create:
-    directory.mkdir(parents=True, exist_ok=True)
-  return (
-      dict(handler_registry=handler_registry(mp, standard_item, json_item)),
-      dict(create=False, multiprocessing_options=mp),
-  )
 
 
 class SnapshotPublisher:
