@@ -154,7 +154,18 @@ def base_config() -> ml_collections.ConfigDict:
           # Server mode (role=rollout / learner with remote servers).
           port=9000,
           server_addresses="",  # comma-separated host:port; empty = embedded servers
-          request_timeout_s=120.0,
+          # Server liveness is judged by health checks and token progress, never
+          # by a per-request deadline (long generations are normal): a server is
+          # down after unhealthy_after_s without a successful health check (a
+          # hung or SIGSTOPped process), or after stall_timeout_s without a new
+          # token while it has requests (0 = no stall check; keep it above the
+          # longest compile when precompile is off). Its requests are re-issued
+          # elsewhere; it is re-admitted when it answers again.
+          health_interval_s=5.0,
+          unhealthy_after_s=30.0,
+          stall_timeout_s=300.0,
+          control_timeout_s=10.0,  # deadline of Status / Abort / Health calls
+          load_timeout_s=600.0,  # deadline of one LoadVersion (and of start-up)
       )
   )
 
@@ -168,8 +179,12 @@ def base_config() -> ml_collections.ConfigDict:
           # Requests in flight per server beyond its slots (keeps slots full).
           queue_depth=4,
           # A rollout server that dies and comes back at the same address
-          # (a new process) is re-admitted this many times; then retired.
+          # (a new process), or stalls, is re-admitted this many times; then
+          # retired. A blip (the same process answering again) costs nothing.
           max_server_restarts=3,
+          # With no live rollout server, requests wait this long for one to
+          # come back before the run fails.
+          no_server_grace_s=1800.0,
           # async_unfiltered / dora / dora_pace: the learner only copies its
           # params and goes on training while the Orbax write (and the
           # servers' load) runs in the background; versions produced meanwhile
@@ -284,6 +299,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
                       " sampling policy GRPO can train on)")
   if not 0 < c.rollout.top_p <= 1:
     raise ConfigError(f"config.rollout.top_p={c.rollout.top_p} must be in (0, 1]")
+  r = c.rollout
+  if min(r.health_interval_s, r.unhealthy_after_s, r.control_timeout_s, r.load_timeout_s) <= 0 or (
+      r.stall_timeout_s < 0):
+    raise ConfigError("config.rollout.health_interval_s, unhealthy_after_s, control_timeout_s and"
+                      " load_timeout_s must be > 0 (stall_timeout_s >= 0)")
+  if c.orchestrator.max_server_restarts < 0 or c.orchestrator.no_server_grace_s <= 0:
+    raise ConfigError("config.orchestrator.max_server_restarts must be >= 0 and no_server_grace_s > 0")
   if c.log_every < 0:
     raise ConfigError("config.log_every must be >= 0")
   if c.learner.group_size < 2:

@@ -142,40 +142,16 @@ def write_run_metadata(paths: RunPaths, cfg: ml_collections.ConfigDict, policy: 
       {"model": policy.model_cfg.to_dict(), "hf_path": policy.hf_path}, indent=2, sort_keys=True))
 
 
-def wait_for_servers(addresses: str, timeout_s: float) -> None:
-  """Waits (up to ``timeout_s`` in all) until every rollout server accepts connections.
-
-  Remote servers are usually started together with the learner (a launcher,
-  or the processes of one jax.distributed cluster, which cannot start serving
-  before the learner joins it), and a server opens its port only once its
-  start-up snapshot is loaded. Without this wait the first ``LoadVersion``
-  would hit a refused connection and retire a server that is merely slow to
-  start. A server still unreachable at the deadline is left to the
-  dispatcher's failover (logged here).
-  """
-  import time  # pylint: disable=g-import-not-at-top
-
-  import grpc  # pylint: disable=g-import-not-at-top
-
-  deadline = time.monotonic() + timeout_s
-  for a in (x.strip() for x in addresses.split(",")):
-    if not a:
-      continue
-    with grpc.insecure_channel(a) as ch:
-      try:
-        grpc.channel_ready_future(ch).result(timeout=max(0.0, deadline - time.monotonic()))
-      except grpc.FutureTimeoutError:
-        log.warning("rollout server %s not reachable after %.0fs", a, timeout_s)
-
-
 def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Device],
                           policy: PolicySpec | None = None):
   if cfg.rollout.server_addresses:
     from jax_dora.rollout.client import connect_all  # pylint: disable=g-import-not-at-top
 
-    clients = connect_all(cfg.rollout.server_addresses, timeout_s=cfg.rollout.request_timeout_s)
-    wait_for_servers(cfg.rollout.server_addresses, cfg.rollout.request_timeout_s)
-    return clients
+    # Servers still starting (or down) need no wait here: the dispatcher
+    # admits each one once it answers its health check and has loaded the
+    # current version; requests wait for an admitted server meanwhile.
+    return connect_all(cfg.rollout.server_addresses, timeout_s=cfg.rollout.control_timeout_s,
+                       load_timeout_s=cfg.rollout.load_timeout_s)
   from jax_dora.rollout.embedded import build_embedded_servers  # pylint: disable=g-import-not-at-top
 
   return build_embedded_servers(cfg, str(snapshot_dir), devices, policy)
@@ -344,8 +320,15 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
   scorer = RewardScorer.from_config(cfg)
   dispatcher = Dispatcher(
       clients,
-      max_failures_per_server=1,
       on_reissue=lambda sid, m, why: ledger.reissued(sid, m, why),
+      max_restarts=cfg.orchestrator.max_server_restarts,
+      health_interval_s=cfg.rollout.health_interval_s,
+      health_timeout_s=cfg.rollout.control_timeout_s,
+      unhealthy_after_s=cfg.rollout.unhealthy_after_s,
+      stall_timeout_s=cfg.rollout.stall_timeout_s,
+      no_server_grace_s=cfg.orchestrator.no_server_grace_s,
+      seed=cfg.seed,
+      incarnation=incarnation,
   )
   progress = None
   if cfg.progress_bar:
@@ -374,6 +357,7 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
         try:
           return await orch.run()
         finally:
+          await dispatcher.close()  # health monitors first, then the clients they probe
           await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
           scorer.close()
 

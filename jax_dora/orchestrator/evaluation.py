@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_dora.orchestrator.dispatch import EVAL_TAG
 from jax_dora.types import Prompt
 
 
@@ -47,7 +48,8 @@ class Evaluator:
       budget, ignore_eos = self._length_budget(p)
       tokens = np.asarray(self._tokenizer.encode_prompt(p.text), np.int32)
       while True:
-        res = await self._dispatcher.run(p, tokens, 0, budget, tag="eval", ignore_eos=ignore_eos)
+        res = await self._dispatcher.run(p, tokens, 0, budget, tag=EVAL_TAG,
+                                         ignore_eos=ignore_eos)
         if res.finish_reason != "aborted":
           break
         self.reruns += 1

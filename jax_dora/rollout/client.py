@@ -16,7 +16,19 @@ How a dead server is detected:
   ``_KEEPALIVE_TIMEOUT_MS`` without an ack, which again fails the streams.
 * A stream that ends cleanly but without a final :class:`RolloutResult`
   (a server bug or a proxy cutting it) is treated the same way.
-* Every call also has the ``timeout_s`` deadline (``DEADLINE_EXCEEDED``).
+* A process that is alive but stopped answering (SIGSTOP, a wedged host)
+  keeps its TCP connection and may even ack pings at the kernel level; that
+  is caught one level up, by the dispatcher's health/progress monitor
+  (:meth:`GrpcRolloutClient.health` with a short deadline), which cancels
+  the streams of a server it declares down.
+
+There is deliberately *no* deadline on ``Generate``: a long generation (or a
+long wait in the server's queue) is not a failure, and a fixed deadline
+counted from submission would fail long rollouts routinely. Liveness is the
+dispatcher's job (health probes + token progress). Control RPCs keep
+deadlines: ``timeout_s`` for ``Status``/``Abort``/``Health`` and the more
+generous ``load_timeout_s`` for ``LoadVersion`` (a big model's snapshot takes
+a while to restore).
 
 Driver-side failures of a single request (e.g. its pinned version is not
 loaded) arrive in-band as a :class:`wire.WireError` and are re-raised with the
@@ -50,6 +62,10 @@ _CHANNEL_OPTIONS = (
     # Fail fast rather than queueing calls while the server is down: the
     # orchestrator, not the channel, decides whether and where to retry.
     ("grpc.enable_retries", 0),
+    # Reconnect soon after a server comes back at the same address (the
+    # defaults back off up to 120 s, which would delay its re-admission).
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 )
 
 
@@ -62,12 +78,23 @@ class GrpcRolloutClient:
   runs.
   """
 
+  # A process restarted at the same address serves again: the dispatcher may
+  # re-admit it (an embedded driver, once stopped, cannot come back).
+  restartable = True
+
   def __init__(
-      self, address: str, timeout_s: float = 120.0, name: str | None = None
+      self,
+      address: str,
+      timeout_s: float = 30.0,
+      name: str | None = None,
+      load_timeout_s: float = 600.0,
   ):
+    """``timeout_s``: deadline of Status/Abort/Health calls;
+    ``load_timeout_s``: deadline of LoadVersion. Generate has none."""
     self.address = address
     self.name = name or f"grpc:{address}"
     self.timeout_s = float(timeout_s)
+    self.load_timeout_s = float(load_timeout_s)
     self._channel: grpc.aio.Channel | None = None
     self._methods: dict[str, Any] = {}
     # Requests whose stream is open on this client, in submission order (a
@@ -132,7 +159,8 @@ class GrpcRolloutClient:
     rid = request.request_id
     if rid in self._in_flight:
       raise ValueError(f"request_id {rid!r} is already in flight on {self.name}")
-    call = self._method(wire.GENERATE)(request, timeout=self.timeout_s)
+    # No deadline: see the module docstring (liveness is probed, not timed).
+    call = self._method(wire.GENERATE)(request, timeout=None)
     self._in_flight[rid] = None
     got_result = False
     try:
@@ -167,8 +195,12 @@ class GrpcRolloutClient:
     assert isinstance(result, api.RolloutResult)
     return result
 
-  async def load_version(self, version: int) -> None:
-    await self._unary(wire.LOAD_VERSION, {"version": int(version)})
+  async def load_version(self, version: int, incarnation: str | None = None) -> None:
+    await self._unary(
+        wire.LOAD_VERSION,
+        {"version": int(version), "incarnation": incarnation},
+        timeout=self.load_timeout_s,
+    )
 
   async def abort(self, request_ids: list[str]) -> None:
     await self._unary(wire.ABORT, {"request_ids": [str(i) for i in request_ids]})
@@ -177,7 +209,12 @@ class GrpcRolloutClient:
     return await self._unary(wire.STATUS, {})
 
   async def health(self, timeout_s: float = 5.0) -> dict:
-    """``{"live": True, "name": ..., "versions_loaded": [...]}`` or raises."""
+    """``{"live": True, "name", "instance", "versions_loaded", ...}`` or raises.
+
+    ``instance`` identifies the server process (it changes on a restart);
+    ``generated_tokens`` lets the caller check progress (see
+    ``RolloutServer._health``).
+    """
     return await self._unary(wire.HEALTH, {}, timeout=timeout_s)
 
   async def wait_ready(
@@ -213,9 +250,13 @@ class GrpcRolloutClient:
 
 
 def connect_all(
-    addresses: str, timeout_s: float = 120.0
+    addresses: str, timeout_s: float = 30.0, load_timeout_s: float = 600.0
 ) -> list[GrpcRolloutClient]:
-  """Clients for ``"host:port,host:port"`` (config.rollout.server_addresses)."""
+  """Clients for ``"host:port,host:port"`` (config.rollout.server_addresses).
+
+  ``timeout_s`` / ``load_timeout_s``: control-RPC deadlines (see
+  :class:`GrpcRolloutClient`); generation itself has no deadline.
+  """
   out = []
   for a in addresses.split(","):
     a = a.strip()
@@ -224,7 +265,9 @@ def connect_all(
     host, sep, port = a.rpartition(":")
     if not sep or not host or not port.isdigit():
       raise ValueError(f"bad rollout server address {a!r} in {addresses!r}; want host:port")
-    out.append(GrpcRolloutClient(a, timeout_s=timeout_s))
+    out.append(
+        GrpcRolloutClient(a, timeout_s=timeout_s, load_timeout_s=load_timeout_s)
+    )
   if not out:
     raise ValueError(f"no rollout server addresses in {addresses!r}")
   return out

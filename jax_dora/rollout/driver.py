@@ -174,7 +174,7 @@ class RolloutDriver:
       RolloutError: the driver is stopped.
     """
     version = int(version)
-    self._check_alive()
+    self.check_alive()
     with self._load_lock:
       if incarnation is None:
         incarnation = self._incarnation
@@ -202,7 +202,7 @@ class RolloutDriver:
       self._switch_to = incarnation
       self._wake.notify_all()
     while not self._switched.wait(timeout=0.5):
-      self._check_alive()
+      self.check_alive()
     _log.info("%s: now serving run incarnation %s", self.name, incarnation)
 
   @property
@@ -293,7 +293,8 @@ class RolloutDriver:
       self._load_lock.release()
 
   # ================================================================== loop
-  def _check_alive(self) -> None:
+  def check_alive(self) -> None:
+    """Raises RolloutError if the driver loop is stopped or crashed."""
     if self._stopping or self._dead:
       raise api.RolloutError(f"{self.name}: driver is not running", ())
 

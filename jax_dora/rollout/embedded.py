@@ -159,7 +159,7 @@ class EmbeddedRolloutClient:
     """As ``GrpcRolloutClient.health``; raises RolloutError once the driver
     is stopped or its loop crashed (``status`` would still answer)."""
     del timeout_s  # in-process: nothing to wait for
-    self.driver._check_alive()  # pylint: disable=protected-access
+    self.driver.check_alive()
     st = self.driver.status()
     return {
         "live": True,

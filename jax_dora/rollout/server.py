@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -53,7 +54,7 @@ SERVER_OPTIONS = (
 class Driver(Protocol):
   """What the server needs from ``jax_dora.rollout.driver.RolloutDriver``."""
 
-  def load_version(self, version: int) -> None: ...
+  def load_version(self, version: int, incarnation: str | None = None) -> None: ...
 
   def submit(self, request: api.RolloutRequest, callback) -> None: ...
 
@@ -99,6 +100,12 @@ class RolloutServer:
     # (the driver and the client both key on request_id). Only touched on
     # the event loop, so it needs no lock.
     self._active: set[str] = set()
+    # Reported by Health; a new value at the same address = a restart.
+    self._instance = uuid.uuid4().hex
+
+  @property
+  def instance(self) -> str:
+    return self._instance
 
   @property
   def port(self) -> int:
@@ -223,10 +230,16 @@ class RolloutServer:
           grpc.StatusCode.INVALID_ARGUMENT,
           f"LoadVersion needs an int version, got {version!r}",
       )
+    incarnation = request.get("incarnation")
+    if incarnation is not None and not isinstance(incarnation, str):
+      await context.abort(
+          grpc.StatusCode.INVALID_ARGUMENT,
+          f"LoadVersion incarnation must be a string, got {incarnation!r}",
+      )
     try:
       # Loading reads a snapshot from disk and transfers it to devices: keep
       # the event loop (and every other stream) running meanwhile.
-      await asyncio.to_thread(self._driver.load_version, version)
+      await asyncio.to_thread(self._driver.load_version, version, incarnation)
     except Exception as e:  # pylint: disable=broad-except
       _log.warning("LoadVersion(%s) failed: %s", version, e)
       await context.abort(
@@ -263,10 +276,31 @@ class RolloutServer:
   async def _health(
       self, request: dict, context: grpc.aio.ServicerContext
   ) -> dict:
-    del request, context
+    """Liveness for the dispatcher's monitor (cheap: no device work).
+
+    ``instance`` is this server object's id, fixed for its lifetime: a
+    changed value at the same address means the process was restarted (the
+    dispatcher counts restarts with it). ``generated_tokens`` lets it check
+    that a server with requests in flight is making progress. A driver whose
+    loop crashed or stopped answers ``UNAVAILABLE``: the process is up but
+    cannot serve.
+    """
+    del request
+    check_alive = getattr(self._driver, "check_alive", None)
+    if check_alive is not None:
+      try:
+        check_alive()
+      except api.RolloutError as e:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self._name}: {e}")
     status = self._driver.status()
     return {
         "live": True,
         "name": self._name,
+        "instance": self._instance,
         "versions_loaded": list(status.versions_loaded),
+        "newest_version": status.newest_version,
+        "generated_tokens": int(status.generated_tokens),
+        "active_slots": int(status.active_slots),
+        "queued_requests": int(status.queued_requests),
+        "incarnation": status.incarnation,
     }

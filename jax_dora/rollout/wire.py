@@ -39,7 +39,7 @@ GENERATE = "Generate"  # unary-stream: RolloutRequest -> RolloutChunk* (RolloutR
 LOAD_VERSION = "LoadVersion"  # unary: {"version": int} -> {"versions_loaded": [...]}
 ABORT = "Abort"  # unary: {"request_ids": [...]} -> {}
 STATUS = "Status"  # unary: {} -> ServerStatus
-HEALTH = "Health"  # unary: {} -> {"live": True, "name": str, "versions_loaded": [...]}
+HEALTH = "Health"  # unary: {} -> {"live", "name", "versions_loaded", "instance" (uuid per process), "incarnation"}
 
 
 def method_path(method: str) -> str:
