@@ -170,6 +170,16 @@ def test_killed_run_resumes_without_losing_or_repeating_data(tmp_path):
   keys = [(r["sample_id"], r["member"]) for r in trained]
   assert len(keys) == len(set(keys)) == 8 * 16, "a sample was lost or trained twice"
   assert sorted({r["step"] for r in trained}) == list(range(1, 9))
+  # Every prompt the stream ever handed out is trained, dropped or pending:
+  # exactly the contiguous range of sample ids drawn, nothing lost in between
+  # (a prompt drawn while a checkpoint was being written used to be neither).
+  records = read_log(out / "trained_samples.jsonl")
+  last_run = records[max(i for i, r in enumerate(records) if r["event"] == "run_start"):]
+  accounted = ({r["sample_id"] for r in trained}
+               | {r["sample_id"] for r in records if r["event"] == "rejected" and not r["regenerate"]}
+               | {r["sample_id"] for r in last_run if r["event"] == "pending"})
+  assert accounted == set(range(summary["samples_drawn"])), sorted(
+      set(range(summary["samples_drawn"])) ^ accounted)
   # The resumed run's audit carries the first run's trained samples as history,
   # so training one of them again would be a violation.
   led = IntegrityLedger.from_log(out / "trained_samples.jsonl", group_size=4, max_staleness=2)
