@@ -91,13 +91,14 @@ class OneStepOffLoop(ModeLoop):
 
 
 class StreamingLoop(ModeLoop):
-  """``async_unfiltered``, ``dora``, ``dora_pace``: generation never stops."""
+  """``async_unfiltered``, ``dora``, ``dora_pace``: generation never stops.
 
-  interruptible = False
+  Only ``async_unfiltered`` interrupts (and resumes) rollouts on a publish.
+  """
 
   async def run(self) -> None:
     o = self.orch
-    o.producer = StreamingProducer(o, interruptible=self.interruptible or o.mode == "async_unfiltered")
+    o.producer = StreamingProducer(o, interruptible=o.mode == "async_unfiltered")
     producer = o.spawn(o.producer.run())
     try:
       while o.steps_left():
@@ -123,8 +124,6 @@ class StreamingLoop(ModeLoop):
 
 class PartialRolloutLoop(StreamingLoop):
   """Generate until a batch is complete, abort the tail, train, resume it."""
-
-  interruptible = True
 
   async def run(self) -> None:
     o = self.orch
