@@ -191,7 +191,12 @@ def follow(
       if op is Op.TRAIN:
         rows, seq_len = args[0], args[1]
         batch = group.broadcast(learner.batch_template(rows, seq_len))
-        learner.train_step(batch)
+        try:
+          learner.train_step(batch)
+        except TrainingDivergedError as e:
+          # The primary sees the same non-finite step and stops the run: keep
+          # listening for its STOP instead of leaving it alone in a broadcast.
+          log.error("learner follower: %s", e)
         steps += 1
       elif op is Op.COPY:
         copies[args[0]] = learner.detached_params(args[0])
