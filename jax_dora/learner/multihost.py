@@ -46,6 +46,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_dora.learner.train_state import TrainingDivergedError
+
 log = logging.getLogger(__name__)
 
 _HEADER = 4  # int64 words: op, arg0, arg1, arg2
