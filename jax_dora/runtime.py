@@ -260,10 +260,16 @@ def run_training(
     checkpointer.close()
     return {"steps": learner.step, "role": "learner-follower", "incarnation": incarnation,
             "integrity_violations": [] if ok else ["the primary learner process failed"]}
+  failed = True
   try:
-    return _orchestrate(cfg, paths, policy, learner, publisher, checkpointer, group, meta,
-                        resumed_step, incarnation, rollout_devs, after_step)
+    summary = _orchestrate(cfg, paths, policy, learner, publisher, checkpointer, group, meta,
+                           resumed_step, incarnation, rollout_devs, after_step)
+    failed = False
+    return summary
   finally:
+    # Whatever happened on the primary, the followers must not be left
+    # waiting in a broadcast.
+    stop_followers(group, failed)
     publisher.close()
     checkpointer.close()
 
@@ -336,7 +342,6 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
 
     progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True)
 
-  failed = True
   try:
     with metrics:
       orch = Orchestrator(
@@ -362,9 +367,7 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
           scorer.close()
 
       summary = run_async(main)
-    failed = False
   finally:
-    stop_followers(group, failed)
     if progress is not None:
       progress.close()
     ledger.close()
