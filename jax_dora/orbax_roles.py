@@ -12,6 +12,7 @@ scope Orbax to one role's processes. They are used by the snapshot store
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Collection
 from typing import Any
 
@@ -21,6 +22,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 PyTree = Any
+
+# Orbax keys the signals of a save (e.g. "step directory created") by a
+# process-global *current* operation id (``synchronization.OperationIdGenerator``),
+# so two saves running at once in one process -- a background snapshot publish
+# and a run checkpoint, each from its own thread -- can each wait for a key
+# filed under the other's id, until Orbax's 300 s timeout fails the run (seen
+# in benchmarks/chaos.py). Every save in the process, through every
+# CheckpointManager, holds this lock until it has finished.
+SAVE_LOCK = threading.RLock()
 
 
 def absolute_path(directory: str | os.PathLike) -> epath.Path:

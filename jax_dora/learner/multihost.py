@@ -25,9 +25,12 @@ processes, which must never take part in a learner collective.
 
 Ordering: every broadcast, and every train step, runs under one lock on the
 primary, so no broadcast can slip between the collectives of a train step
-that a follower runs strictly after it. A follower publishes a background
-copy in a serial worker thread (as the primary's publish loop does), and
-everything else inline, so its Orbax saves come in the primary's order.
+that a follower runs strictly after it. A publish or checkpoint broadcasts
+under the process's Orbax save lock and saves before releasing it, so the
+primary's saves happen in broadcast order; a follower publishes a background
+copy in a serial worker thread, waits for it before a checkpoint, and does
+everything else inline, so its Orbax saves come in the same order (Orbax
+barriers pair them up across processes).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dora.learner.train_state import TrainingDivergedError
+from jax_dora.orbax_roles import SAVE_LOCK
 
 log = logging.getLogger(__name__)
 
@@ -154,16 +158,20 @@ class LeaderPublisher:
     return getattr(self._publisher, name)
 
   def publish(self, version: int, params: Any, metadata: dict[str, Any] | None = None) -> None:
-    self._group.send(Op.PUBLISH, version)
-    self._publisher.publish(version, params, metadata)
+    # Under the process's Orbax save lock from the broadcast on: the
+    # followers make their saves in broadcast order, so ours must too.
+    with SAVE_LOCK:
+      self._group.send(Op.PUBLISH, version)
+      self._publisher.publish(version, params, metadata)
 
 
 def leader_checkpoint(checkpoint_fn: Callable[..., None], group: LearnerGroup) -> Callable[..., None]:
   """Wraps the run-checkpoint function: the followers save their shards with it."""
 
   def save(step: int, *args: Any) -> None:
-    group.send(Op.CHECKPOINT, step)
-    checkpoint_fn(step, *args)
+    with SAVE_LOCK:  # saves in broadcast order (see LeaderPublisher.publish)
+      group.send(Op.CHECKPOINT, step)
+      checkpoint_fn(step, *args)
 
   return save
 

@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jax_dora.orbax_roles import (
+  SAVE_LOCK,
   absolute_path,
   manager_kwargs,
   multiprocessing_options,
@@ -91,17 +92,18 @@ class RunCheckpointer:
     saved; it supersedes it because the stream has moved on since and the
     pending prompts changed with it (the two are only valid as a pair).
     """
-    self._manager.reload()
-    if step in self._manager.all_steps():
-      self._manager.delete(step)
-    self._manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(savable(state)), meta=ocp.args.JsonSave(meta)
-        ),
-        force=True,
-    )
-    self._manager.wait_until_finished()
+    with SAVE_LOCK:  # one Orbax save at a time in this process (orbax_roles.SAVE_LOCK)
+      self._manager.reload()
+      if step in self._manager.all_steps():
+        self._manager.delete(step)
+      self._manager.save(
+          step,
+          args=ocp.args.Composite(
+              state=ocp.args.StandardSave(savable(state)), meta=ocp.args.JsonSave(meta)
+          ),
+          force=True,
+      )
+      self._manager.wait_until_finished()
     log.info("run checkpoint saved at step %d -> %s", step, self.directory)
 
   def restore(self, step: int, target_state: Any) -> tuple[Any, dict[str, Any]]:

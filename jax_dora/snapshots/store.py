@@ -51,6 +51,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jax_dora.orbax_roles import (
+  SAVE_LOCK,
   absolute_path,
   manager_kwargs,
   multiprocessing_options,
@@ -153,6 +154,7 @@ class SnapshotPublisher:
         (see the module docstring); ``None`` writes none.
     """
     self.incarnation = incarnation
+    self._async = bool(async_save)
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
     self._directory = absolute_path(directory)
@@ -235,14 +237,17 @@ class SnapshotPublisher:
       raise TypeError(f'metadata is not JSON-serializable: {e}') from e
 
     self._purge_trash()
-    saved = self._manager.save(
-        version,
-        args=ocp.args.Composite(**{
-            _PARAMS: ocp.args.StandardSave(savable(params)),
-            _METADATA: ocp.args.JsonSave(metadata),
-        }),
-        force=True,
-    )
+    with SAVE_LOCK:  # see orbax_roles.SAVE_LOCK
+      saved = self._manager.save(
+          version,
+          args=ocp.args.Composite(**{
+              _PARAMS: ocp.args.StandardSave(savable(params)),
+              _METADATA: ocp.args.JsonSave(metadata),
+          }),
+          force=True,
+      )
+      if not self._async:
+        self._manager.wait_until_finished()
     if not saved:
       raise SnapshotError(
           f'Orbax declined to save version {version} in {self._directory}.'
