@@ -61,6 +61,10 @@ def _health(address: str) -> dict:
     return call({}, timeout=5.0)
 
 
+# `slow`: the two-learner test below runs the same cluster machinery (roles
+# sharing a cluster, Orbax scoped per role, a server process in the cluster)
+# with one more process; this one keeps the single-process learner's path.
+@pytest.mark.slow
 def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
   coordinator = f"127.0.0.1:{_free_port()}"
   rollout_port = _free_port()

@@ -277,7 +277,7 @@ def test_a_non_finite_loss_stops_the_run_with_its_step(tmp_path):
 def test_eval_completions_are_never_truncated_by_a_publish(tmp_path):
   """async_unfiltered aborts in-flight rollouts on every publish; held-out eval
   requests used to be aborted too and their truncated completions scored."""
-  cfg = small_config(tmp_path, "async_unfiltered", total_steps=4, **{
+  cfg = small_config(tmp_path, "async_unfiltered", total_steps=3, **{
       "rollout.length_mode": "answer", "eval.num_prompts": 16, "eval.every_steps": 1})
   seen: list[list[tuple[int, str, int]]] = []
 
@@ -289,4 +289,4 @@ def test_eval_completions_are_never_truncated_by_a_publish(tmp_path):
       assert (reason, n) == ("length", want), (sid, reason, n, want)
 
   summary = run_training(cfg, after_step=record)
-  assert summary["steps"] == 4 and len(seen) == 4 and all(len(s) == 16 for s in seen)
+  assert summary["steps"] == 3 and len(seen) == 3 and all(len(s) == 16 for s in seen)
