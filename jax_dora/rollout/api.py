@@ -108,6 +108,26 @@ class ServerStatus:
   incarnation: str = ""  # run incarnation of the held versions ("" = none yet)
 
 
+def health_reply(name: str, instance: str, status: ServerStatus) -> dict:
+  """The Health answer of a live server (gRPC and embedded alike).
+
+  ``instance`` is fixed for the server's lifetime: a new one at the same
+  address means a restarted process. ``generated_tokens`` lets the
+  dispatcher check that a server with requests in flight makes progress.
+  """
+  return {
+      "live": True,
+      "name": name,
+      "instance": instance,
+      "versions_loaded": list(status.versions_loaded),
+      "newest_version": status.newest_version,
+      "generated_tokens": int(status.generated_tokens),
+      "active_slots": int(status.active_slots),
+      "queued_requests": int(status.queued_requests),
+      "incarnation": status.incarnation,
+  }
+
+
 @runtime_checkable
 class RolloutClient(Protocol):
   """What the orchestrator needs from one rollout server."""

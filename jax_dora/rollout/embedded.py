@@ -160,17 +160,7 @@ class EmbeddedRolloutClient:
     is stopped or its loop crashed (``status`` would still answer)."""
     del timeout_s  # in-process: nothing to wait for
     self.driver.check_alive()
-    st = self.driver.status()
-    return {
-        "live": True,
-        "name": self.name,
-        "instance": self._instance,
-        "versions_loaded": list(st.versions_loaded),
-        "newest_version": st.newest_version,
-        "generated_tokens": int(st.generated_tokens),
-        "active_slots": int(st.active_slots),
-        "queued_requests": int(st.queued_requests),
-    }
+    return api.health_reply(self.name, self._instance, self.driver.status())
 
   async def close(self) -> None:
     if not self._closed:

@@ -292,15 +292,4 @@ class RolloutServer:
         check_alive()
       except api.RolloutError as e:
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self._name}: {e}")
-    status = self._driver.status()
-    return {
-        "live": True,
-        "name": self._name,
-        "instance": self._instance,
-        "versions_loaded": list(status.versions_loaded),
-        "newest_version": status.newest_version,
-        "generated_tokens": int(status.generated_tokens),
-        "active_slots": int(status.active_slots),
-        "queued_requests": int(status.queued_requests),
-        "incarnation": status.incarnation,
-    }
+    return api.health_reply(self._name, self._instance, self._driver.status())
