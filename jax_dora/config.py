@@ -98,11 +98,49 @@ def base_config() -> ml_collections.ConfigDict:
           grad_clip=1.0,
           group_size=8,  # G: completions per prompt (GRPO group)
           groups_per_step=8,  # prompts per optimizer step
+          # The loss, by name (jax_dora.learner.losses): grpo (PPO clip of
+          # pi / pi_behaviour) | decoupled_ppo (AReaL: clip pi / pi_prox,
+          # weight pi_prox / pi_behaviour) | gspo (sequence ratio) | cispo
+          # (clipped, detached IS weight on log pi).
+          loss="grpo",
           clip_eps=0.2,
           clip_eps_high=0.28,
+          gspo_clip_eps=3e-4,
+          gspo_clip_eps_high=4e-4,
+          cispo_clip_high=5.0,  # CISPO weight <= 1 + this
+          # Correction of the behaviour-policy gap rho = pi_prox / pi_behaviour:
+          # none | tis (min(rho, tis_cap)) | mis (drop tokens with rho outside
+          # [mis_low, mis_high]); per token or per sequence (geometric mean).
+          is_correction="none",
+          is_level="token",
+          tis_cap=2.0,
+          mis_low=0.5,
+          mis_high=2.0,
+          # pi_prox: recompute (the current version's parameters: free with one
+          # update per step, one forward pass with ppo_minibatches > 1) |
+          # loglinear (AReaL's interpolation between behaviour and current).
+          proximal_logprobs="recompute",
+          # Optimizer updates per learner step (the batch split in as many
+          # minibatches); one step still publishes one version.
+          ppo_minibatches=1,
+          # token_mean (DAPO) | seq_mean_token_mean (GRPO) |
+          # seq_mean_token_sum_norm (Dr.GRPO; divides by rows x loss_norm_length,
+          # 0 = model.max_seq_len).
+          loss_aggregation="token_mean",
+          loss_norm_length=0,
           kl_coef=0.0,
+          # grpo ((r - mean) / std) | drgrpo (r - mean) | rloo (leave-one-out).
+          advantage_estimator="grpo",
           advantage_eps=1e-6,
-          normalize_adv_std=True,
+          # Drop groups whose members all got the same reward (zero advantage)
+          # before they take batch space, and draw new prompts instead (DAPO).
+          # After (max_draws - 1) x groups_per_step drops in one step the rest
+          # are trained as they are, so a task the policy always fails cannot
+          # stall the run.
+          dynamic_sampling=False,
+          dynamic_sampling_max_draws=4,
+          # Zero the loss of completions cut off at the length limit (DAPO).
+          mask_truncated=False,
           # Memory: log-probs are computed from the hidden states this many
           # positions at a time, so [B, T, V] float32 logits never exist
           # (0 = all at once; rows shorter than the chunk are not split).
@@ -191,6 +229,11 @@ def base_config() -> ml_collections.ConfigDict:
           # are coalesced to the newest. sync / one_step_off / partial_rollout
           # always publish before generating again.
           async_publish=True,
+          # Streaming modes keep in flight only what the servers' slots and
+          # queues can work on. True fills AReaL's whole staleness budget
+          # ((max_staleness + 1) batches) instead, so high max_staleness is
+          # actually reached (benchmarks/staleness_sweep.py).
+          fill_staleness_budget=False,
       )
   )
 
@@ -221,6 +264,11 @@ def base_config() -> ml_collections.ConfigDict:
           # (counted in the metrics) instead of hanging the run.
           timeout_s=5.0,
           num_workers=2,
+          # DAPO's soft overlong punishment: completions longer than
+          # max_new_tokens - overlong_buffer lose up to overlong_penalty,
+          # linearly over the buffer (0 = off).
+          overlong_buffer=0,
+          overlong_penalty=1.0,
       )
   )
 
@@ -388,5 +436,46 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError("config.distributed.num_learner_processes must be -1 (all) or >= 1")
   if c.rollout.length_mode not in LENGTH_MODES:
     raise ConfigError(f"config.rollout.length_mode={c.rollout.length_mode!r} is not one of {LENGTH_MODES}")
+  _validate_loss(c)
   if c.pace.on_reject not in ("regenerate", "drop"):
     raise ConfigError("config.pace.on_reject must be 'regenerate' or 'drop'")
+
+
+def _validate_loss(c: ml_collections.ConfigDict) -> None:
+  """The learner's loss choices (names from the registries, numeric ranges)."""
+  from jax_dora.learner import losses  # pylint: disable=g-import-not-at-top
+
+  lc = c.learner
+  for key, registry in (("loss", losses.OBJECTIVES), ("is_correction", losses.CORRECTIONS),
+                        ("loss_aggregation", losses.AGGREGATIONS),
+                        ("advantage_estimator", losses.ADVANTAGES)):
+    if lc[key] not in registry.names():
+      raise ConfigError(f"config.learner.{key}={lc[key]!r} is not one of {registry.names()}")
+  if lc.is_level not in ("token", "sequence"):
+    raise ConfigError(f"config.learner.is_level={lc.is_level!r} must be token or sequence")
+  if lc.proximal_logprobs not in ("recompute", "loglinear"):
+    raise ConfigError(f"config.learner.proximal_logprobs={lc.proximal_logprobs!r} must be"
+                      " recompute or loglinear")
+  if not lc.tis_cap > 0 or not 0 <= lc.mis_low < lc.mis_high:
+    raise ConfigError("config.learner.tis_cap must be > 0 and 0 <= mis_low < mis_high")
+  if min(lc.clip_eps, lc.clip_eps_high, lc.gspo_clip_eps, lc.gspo_clip_eps_high,
+         lc.cispo_clip_high) < 0 or lc.loss_norm_length < 0:
+    raise ConfigError("config.learner clip ranges and loss_norm_length must be >= 0")
+  batch = lc.groups_per_step * lc.group_size
+  if lc.ppo_minibatches < 1 or batch % lc.ppo_minibatches:
+    raise ConfigError(f"config.learner.ppo_minibatches={lc.ppo_minibatches} must be >= 1 and"
+                      f" divide the batch of {batch} trajectories")
+  mini = batch // lc.ppo_minibatches
+  if lc.micro_batch_size and lc.micro_batch_size < mini and mini % lc.micro_batch_size:
+    raise ConfigError(f"config.learner.micro_batch_size={lc.micro_batch_size} does not divide"
+                      f" a minibatch of {mini} trajectories (batch / ppo_minibatches)")
+  if lc.dynamic_sampling_max_draws < 1:
+    raise ConfigError("config.learner.dynamic_sampling_max_draws must be >= 1")
+  if lc.mask_truncated and c.rollout.length_mode == "answer":
+    raise ConfigError("config.learner.mask_truncated would mask every completion with"
+                      " rollout.length_mode=answer (each stops at its length budget)")
+  r = c.reward
+  if not 0 <= r.overlong_buffer < c.rollout.max_new_tokens or r.overlong_penalty < 0:
+    raise ConfigError(f"config.reward.overlong_buffer={r.overlong_buffer} must be in"
+                      f" [0, rollout.max_new_tokens={c.rollout.max_new_tokens}) and"
+                      " overlong_penalty >= 0")

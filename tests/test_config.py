@@ -114,3 +114,35 @@ def test_role_is_read_and_checked():
 def test_dead_fields_are_gone():
   c = base_config()
   assert "partial_rollout_fraction" not in c.orchestrator
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("loss", "ppo2", r"learner.loss='ppo2' is not one of \['cispo', 'decoupled_ppo', 'grpo', 'gspo'\]"),
+    ("is_correction", "clip", "is_correction='clip'"),
+    ("loss_aggregation", "mean", "loss_aggregation='mean'"),
+    ("advantage_estimator", "gae", "advantage_estimator='gae'"),
+    ("is_level", "batch", "is_level='batch'"),
+    ("proximal_logprobs", "rollout", "proximal_logprobs='rollout'"),
+    ("ppo_minibatches", 3, "ppo_minibatches=3"),
+    ("tis_cap", 0.0, "tis_cap"),
+    ("mis_low", 3.0, "mis_low"),
+    ("dynamic_sampling_max_draws", 0, "dynamic_sampling_max_draws"),
+])
+def test_loss_choices_are_validated(key, value, match):
+  c = base_config()
+  c.learner[key] = value
+  with pytest.raises(ConfigError, match=match):
+    validate(c)
+
+
+def test_overlong_and_truncation_settings_are_validated():
+  c = base_config()
+  c.reward.overlong_buffer = c.rollout.max_new_tokens
+  with pytest.raises(ConfigError, match="overlong_buffer"):
+    validate(c)
+  c = base_config()
+  c.learner.mask_truncated = True
+  c.rollout.length_mode = "answer"
+  with pytest.raises(ConfigError, match="mask every completion"):
+    validate(c)
+  assert "normalize_adv_std" not in base_config().learner  # replaced by advantage_estimator

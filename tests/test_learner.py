@@ -1,4 +1,6 @@
-"""Learner: GRPO maths on hand-computed cases, sharded == unsharded step."""
+"""Learner: batching, sharded == unsharded step, micro-batches and PPO minibatches.
+
+The loss maths on hand-computed cases is in test_losses.py."""
 
 from __future__ import annotations
 
@@ -9,36 +11,15 @@ import pytest
 
 from jax_dora.config import base_config
 from jax_dora.learner.batching import make_batch
-from jax_dora.learner.grpo import group_advantages, grpo_loss
+from jax_dora.learner.losses import compute_advantages
 from jax_dora.learner.mesh import make_mesh, split_devices
 from jax_dora.learner.train_state import Learner
 from jax_dora.model import ModelConfig
 from jax_dora.types import Prompt, TokenSpan, Trajectory
 
 
-def test_group_advantages_hand_computed():
-  adv = group_advantages(np.array([1.0, 0.0, 0.5, 0.5]), group_size=2, eps=0.0)
-  np.testing.assert_allclose(adv[:2], [1.0, -1.0], atol=1e-6)
-  np.testing.assert_allclose(adv[2:], [0.0, 0.0], atol=1e-6)  # no signal in a tied group
-  with pytest.raises(ValueError):
-    group_advantages(np.zeros(3), group_size=2)
-
-
-def test_grpo_loss_hand_computed():
-  # ratios: row0 = [1.0, 0.5], row1 = [2.0, masked]; A = [+1, -1]; eps = 0.2.
-  # per token: -min(1, 1) = -1; -min(0.5, 0.8) = -0.5; -min(-2, -1.2) = 2.
-  logp = jnp.log(jnp.array([[0.5, 0.25], [0.5, 1.0]]))
-  blp = jnp.log(jnp.array([[0.5, 0.5], [0.25, 1.0]]))
-  out = grpo_loss(logp, blp, jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]]), clip_eps=0.2)
-  assert float(out.loss) == pytest.approx((-1.0 - 0.5 + 2.0) / 3.0, abs=1e-6)
-  # Two of the three tokens have |ratio - 1| > eps.
-  assert float(out.metrics["clip_frac"]) == pytest.approx(2.0 / 3.0, abs=1e-6)
-
-
-def test_grpo_loss_kl_term_is_zero_at_reference():
-  logp = jnp.log(jnp.array([[0.5, 0.25]]))
-  out = grpo_loss(logp, logp, jnp.array([0.0]), jnp.ones((1, 2)), kl_coef=1.0, ref_logprobs=logp)
-  assert float(out.loss) == pytest.approx(0.0, abs=1e-7)
+def group_advantages(rewards, group_size):
+  return compute_advantages("grpo", rewards, group_size)
 
 
 def _traj(sample_id, member, prompt_tokens, completion, logps):
@@ -177,6 +158,8 @@ def test_chunked_logprobs_and_grads_equal_the_full_logits_path():
 @pytest.mark.parametrize("overrides", [
     {"micro_batch_size": 2},
     {"micro_batch_size": 4, "logprob_chunk_size": 5, "remat": "full"},
+    {"micro_batch_size": 2, "loss": "decoupled_ppo", "is_correction": "tis", "tis_cap": 1.1,
+     "loss_aggregation": "seq_mean_token_mean"},
 ])
 def test_micro_batched_chunked_remat_step_equals_plain_step(overrides):
   """Gradient accumulation over micro-batches (token-mean over the whole batch),
@@ -187,13 +170,66 @@ def test_micro_batched_chunked_remat_step_equals_plain_step(overrides):
                           d_ff=64, max_seq_len=24)
   batch = _random_batch(np.random.default_rng(2), model_cfg, 8)
   plain_cfg = cfg.learner.copy_and_resolve_references()
+  plain_cfg.update({k: v for k, v in overrides.items()
+                    if k not in ("micro_batch_size", "logprob_chunk_size", "remat")})
   plain_cfg.logprob_chunk_size = 0
   plain = Learner(model_cfg, plain_cfg, make_mesh(jax.devices()[:2]), seed=7)
   tuned_cfg = cfg.learner.copy_and_resolve_references()
   tuned_cfg.update(overrides)
   tuned = Learner(model_cfg, tuned_cfg, make_mesh(jax.devices()[:2]), seed=7)
   a, b = plain.train_step(batch), tuned.train_step(batch)
-  for k in ("loss", "grad_norm", "pg_loss", "clip_frac", "ratio_mean"):
+  for k in ("loss", "grad_norm", "pg_loss", "clip_frac", "ratio_mean", "is_weight_max",
+            "is_weight_min", "mismatch/kl_k3"):
     np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
   for x, y in zip(jax.tree.leaves(plain.params), jax.tree.leaves(tuned.params)):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+
+
+def _tiny_learner(**learner_overrides):
+  cfg = base_config()
+  cfg.learner.warmup_steps = 1
+  cfg.learner.update(learner_overrides)
+  model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=24)
+  return Learner(model_cfg, cfg.learner, make_mesh(jax.devices()[:2]), seed=11), model_cfg
+
+
+def test_ppo_minibatches_are_sequential_updates_on_interleaved_rows():
+  """ppo_minibatches=2 (grpo, nothing proximal) == two plain steps on rows 0::2 and 1::2."""
+  two, model_cfg = _tiny_learner(ppo_minibatches=2)
+  seq, _ = _tiny_learner()
+  batch = _random_batch(np.random.default_rng(4), model_cfg, 8)
+  two.train_step(batch)
+  for i in (0, 1):
+    seq.train_step({k: v[i::2] for k, v in batch.items()})
+  assert two.step == 1 and seq.step == 2  # one version, two optimizer updates
+  for x, y in zip(jax.tree.leaves(two.params), jax.tree.leaves(seq.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
+def test_decoupled_ppo_recomputes_proximal_from_the_current_version():
+  """On-policy data (behaviour = the learner's own log-probs): with the proximal
+  policy recomputed before the first of two updates, decoupled PPO equals GRPO,
+  while after the first update its ratios differ from 1 (so the recompute
+  is what keeps them equal, not a no-op)."""
+  grpo, model_cfg = _tiny_learner(ppo_minibatches=2)
+  dec, _ = _tiny_learner(ppo_minibatches=2, loss="decoupled_ppo")
+  batch = _random_batch(np.random.default_rng(6), model_cfg, 8)
+  on_policy = jax.jit(grpo._token_logprobs)(grpo.params, grpo.put_batch(batch))
+  batch["behaviour_logprobs"] = np.asarray(on_policy) * batch["mask"]
+  a, b = grpo.train_step(batch), dec.train_step(batch)
+  assert abs(a["ratio_mean"] - 1.0) > 1e-6  # the second minibatch ran off the first's update
+  for k in ("loss", "grad_norm", "ratio_mean"):
+    np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  for x, y in zip(jax.tree.leaves(grpo.params), jax.tree.leaves(dec.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
+def test_make_batch_token_staleness_and_truncated_rows():
+  t = _traj(0, 0, [1, 5], [7, 8, 9], [-0.1, -0.2, -0.3])
+  t.spans = [TokenSpan(0, 2, 3), TokenSpan(2, 3, 5)]
+  cut = _traj(0, 1, [1, 5], [7, 8], [-0.1, -0.2])
+  cut.finish_reason = "length"
+  b = make_batch([t, cut], np.zeros(2), seq_len=8, learner_version=6, mask_truncated=True)
+  np.testing.assert_array_equal(b["token_staleness"][0], [0, 3, 3, 1, 0, 0, 0])
+  np.testing.assert_array_equal(b["mask"][1], np.zeros(7))  # truncated: no gradient
+  np.testing.assert_array_equal(b["mask"][0], [0, 1, 1, 1, 0, 0, 0])

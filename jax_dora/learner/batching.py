@@ -45,12 +45,23 @@ def make_batch(
     advantages: np.ndarray,
     seq_len: int,
     pad_id: int = 0,
+    *,
+    learner_version: int | None = None,
+    mask_truncated: bool = False,
 ) -> dict[str, np.ndarray]:
   """Packs ``prompt + completion`` rows, right-padded to ``seq_len`` tokens.
 
   Row ``b`` of ``inputs`` is ``tokens[:-1]`` and of ``targets`` ``tokens[1:]``;
   ``mask`` marks the target positions that are completion tokens, and
-  ``behaviour_logprobs`` is aligned with ``targets``.
+  ``behaviour_logprobs`` is aligned with ``targets``. ``token_staleness`` is
+  ``learner_version`` minus the version that sampled each token (from the
+  trajectory's spans; zeros without a version): the loss splits its mismatch
+  metrics by it and the log-linear proximal policy interpolates with it.
+
+  ``mask_truncated`` (DAPO overlong filtering) zeroes the mask of rows that
+  stopped at the length limit (``finish_reason == "length"``): a cut-off
+  answer's reward says nothing about its reasoning, so its tokens take no
+  gradient; the row still counts as trained (and in its group's advantages).
   """
   b = len(trajectories)
   if len(advantages) != b:
@@ -58,6 +69,7 @@ def make_batch(
   tokens = np.full((b, seq_len), pad_id, dtype=np.int32)
   mask = np.zeros((b, seq_len - 1), dtype=np.float32)
   blp = np.zeros((b, seq_len - 1), dtype=np.float32)
+  stale = np.zeros((b, seq_len - 1), dtype=np.float32)
   for i, t in enumerate(trajectories):
     p = len(t.prompt_tokens)
     c = len(t.completion_tokens)
@@ -71,8 +83,11 @@ def make_batch(
     tokens[i, :p] = t.prompt_tokens
     tokens[i, p:p + c] = t.completion_tokens
     # Completion token j sits at position p + j and is predicted at p + j - 1.
-    mask[i, p - 1:p - 1 + c] = 1.0
+    if not (mask_truncated and t.finish_reason == "length"):
+      mask[i, p - 1:p - 1 + c] = 1.0
     blp[i, p - 1:p - 1 + c] = t.behaviour_logprobs
+    if learner_version is not None and c:
+      stale[i, p - 1:p - 1 + c] = learner_version - t.token_versions()
   positions = np.broadcast_to(np.arange(seq_len - 1, dtype=np.int32), (b, seq_len - 1)).copy()
   return {
       "inputs": tokens[:, :-1],
@@ -81,4 +96,5 @@ def make_batch(
       "mask": mask,
       "behaviour_logprobs": blp,
       "advantages": np.asarray(advantages, dtype=np.float32),
+      "token_staleness": stale,
   }

@@ -1,4 +1,4 @@
-"""Sharded learner state and the jitted GRPO train step.
+"""Sharded learner state and the jitted policy-gradient train step.
 
 Parameters and optimizer state are laid out on the learner mesh from the
 model's logical axis names (MaxText style): the boxed abstract state gives a
@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dora.learner.grpo import grpo_loss
+from jax_dora.learner.losses import BatchTotals, LossSettings, loglinear_proximal, policy_loss
 from jax_dora.learner.mesh import LOGICAL_AXIS_RULES
 from jax_dora.model import ModelConfig, Transformer, chunked_token_logprobs, head_weight
 
@@ -63,6 +63,8 @@ def batch_shapes(batch_rows: int, seq_len: int) -> dict[str, tuple[tuple[int, ..
       "mask": ((batch_rows, t), np.float32),
       "behaviour_logprobs": ((batch_rows, t), np.float32),
       "advantages": ((batch_rows,), np.float32),
+      # Learner version minus the version that sampled each target token.
+      "token_staleness": ((batch_rows, t), np.float32),
   }
 
 
@@ -71,7 +73,14 @@ class TrainingDivergedError(RuntimeError):
 
 
 class Learner:
-  """Owns the sharded train state on ``mesh`` and runs GRPO updates.
+  """Owns the sharded train state on ``mesh`` and runs policy-gradient updates.
+
+  The objective, importance-sampling correction and loss aggregation are
+  chosen by name (``jax_dora.learner.losses``). One learner step trains one
+  batch and produces one policy version; ``learner.ppo_minibatches > 1``
+  splits it into that many optimizer updates (PPO epochs of one pass), with
+  the proximal log-probs computed once, before the first update, from the
+  parameters of the current version.
 
   Memory: log-probs come from the hidden states in chunks of
   ``learner.logprob_chunk_size`` positions (never the full ``[B, T, V]``
@@ -118,6 +127,8 @@ class Learner:
     self.model = Transformer(model_cfg, remat=str(learner_cfg.get("remat", "none")))
     self.tx = make_optimizer(learner_cfg)
     self.use_ref = learner_cfg.kl_coef > 0.0
+    self.loss_settings = LossSettings.from_config(learner_cfg, default_norm_length=model_cfg.max_seq_len)
+    self.ppo_minibatches = max(1, int(learner_cfg.get("ppo_minibatches", 1)))
 
     rng = jax.random.PRNGKey(seed)
     abstract = jax.eval_shape(self._init_boxed_state, rng)
@@ -171,7 +182,7 @@ class Learner:
         hidden, head_weight(self.model_cfg, params), batch["targets"],
         temperature=self.temperature, mask=self.suppress_mask, chunk=self.logprob_chunk)
 
-  def _loss(self, params, batch, ref_params, n_tokens):
+  def _loss(self, params, batch, ref_params, totals: BatchTotals):
     live = batch["mask"] > 0
     # Padded targets may be suppressed ids (-1e30): keep them out of exp().
     logp = jnp.where(live, self._token_logprobs(params, batch), 0.0)
@@ -179,58 +190,112 @@ class Learner:
     if ref_params is not None:
       ref_logp = jax.lax.stop_gradient(
           jnp.where(live, self._token_logprobs(ref_params, batch), 0.0))
-    out = grpo_loss(
+    settings = self.loss_settings
+    prox = batch.get("proximal_logprobs")
+    if prox is None and settings.needs_proximal and settings.proximal == "loglinear":
+      prox = loglinear_proximal(logp, batch["behaviour_logprobs"], batch["token_staleness"])
+    out = policy_loss(
         logp,
         batch["behaviour_logprobs"],
         batch["advantages"],
         batch["mask"],
-        clip_eps=self.cfg.clip_eps,
-        clip_eps_high=self.cfg.clip_eps_high,
-        kl_coef=self.cfg.kl_coef,
+        settings,
+        proximal_logprobs=prox,
+        token_staleness=batch["token_staleness"],
+        totals=totals,
         ref_logprobs=ref_logp,
-        normalizer=n_tokens,
     )
     return out.loss, out.metrics
 
-  def _micro_batches(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
-    """``[k, micro, ...]`` micro-batches, or None when the batch is one.
+  @staticmethod
+  def _interleave(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    """``[k, rows / k, ...]``: row ``j * k + i`` goes to part ``i``.
 
-    Row ``j * k + i`` goes to micro-batch ``i``: with the batch sharded in
-    contiguous blocks over (data, fsdp), every micro-batch then spans every
-    device instead of living on a few of them.
+    With the batch sharded in contiguous blocks over (data, fsdp), every part
+    then spans every device instead of living on a few of them.
     """
+    rows = batch["advantages"].shape[0]
+    return jax.tree.map(lambda x: x.reshape((rows // k, k) + x.shape[1:]).swapaxes(0, 1), batch)
+
+  def _micro_batches(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
+    """``[k, micro, ...]`` micro-batches, or None when the batch is one."""
     rows = batch["advantages"].shape[0]
     micro = self.micro_batch
     if micro <= 0 or micro >= rows:
       return None
     if rows % micro:
       raise ValueError(f"batch of {rows} rows is not a multiple of micro_batch_size={micro}")
-    k = rows // micro
-    split = jax.tree.map(lambda x: x.reshape((micro, k) + x.shape[1:]).swapaxes(0, 1), batch)
     return jax.lax.with_sharding_constraint(
-        split, NamedSharding(self.mesh, P(None, self.batch_axes)))
+        self._interleave(batch, rows // micro), NamedSharding(self.mesh, P(None, self.batch_axes)))
 
-  def _train_step(self, state: TrainState, batch: dict[str, jax.Array]):
-    n_tokens = jnp.maximum(batch["mask"].sum(), 1.0)
+  @staticmethod
+  def _combine(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Adds metric dicts; ``*_max`` / ``*_min`` keys take the max / min."""
+    def one(k):
+      if k.endswith("_max"):
+        return jnp.maximum(a[k], b[k])
+      if k.endswith("_min"):
+        return jnp.minimum(a[k], b[k])
+      return a[k] + b[k]
+    return {k: one(k) for k in a}
+
+  def _gradients(self, params, batch, ref_params):
+    """``(loss, metrics, grads)`` of one (mini)batch, accumulated over micro-batches."""
+    totals = BatchTotals.of(batch["mask"], batch["token_staleness"])
     grad_fn = jax.value_and_grad(self._loss, has_aux=True)
     micro = self._micro_batches(batch)
     if micro is None:
-      (loss, metrics), grads = grad_fn(state.params, batch, state.ref_params, n_tokens)
-    else:
-      def accumulate(carry, mb):
-        (l, m), g = grad_fn(state.params, mb, state.ref_params, n_tokens)
-        return jax.tree.map(jnp.add, carry, (l, m, g)), None
+      (loss, metrics), grads = grad_fn(params, batch, ref_params, totals)
+      return loss, metrics, grads
 
-      first = jax.tree.map(lambda x: x[0], micro)
-      (l0, m0), g0 = jax.eval_shape(grad_fn, state.params, first, state.ref_params, n_tokens)
-      zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (l0, m0, g0))
-      # Accumulate gradients in the params' layout, not wherever GSPMD would guess.
-      zeros = (zeros[0], zeros[1],
-               jax.lax.with_sharding_constraint(zeros[2], self.state_sharding.params))
-      (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    def accumulate(carry, mb):
+      (l, m), g = grad_fn(params, mb, ref_params, totals)
+      cl, cm, cg = carry
+      return (cl + l, self._combine(cm, m), jax.tree.map(jnp.add, cg, g)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    (l0, m0), g0 = jax.eval_shape(grad_fn, params, first, ref_params, totals)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (l0, g0))
+    metrics0 = {k: jnp.full(v.shape, jnp.inf if k.endswith("_min") else 0.0, v.dtype)
+                for k, v in m0.items()}
+    # Accumulate gradients in the params' layout, not wherever GSPMD would guess.
+    init = (zeros[0], metrics0,
+            jax.lax.with_sharding_constraint(zeros[1], self.state_sharding.params))
+    (loss, metrics, grads), _ = jax.lax.scan(accumulate, init, micro)
+    return loss, metrics, grads
+
+  def _update(self, params, opt_state, batch, ref_params):
+    loss, metrics, grads = self._gradients(params, batch, ref_params)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    return params, opt_state, metrics
+
+  def _train_step(self, state: TrainState, batch: dict[str, jax.Array]):
+    k = self.ppo_minibatches
+    if k == 1:
+      params, opt_state, metrics = self._update(state.params, state.opt_state, batch, state.ref_params)
+    else:
+      if self.loss_settings.needs_proximal and self.loss_settings.proximal == "recompute":
+        # pi_prox is the current version's policy: one forward pass before
+        # the first update moves the parameters.
+        live = batch["mask"] > 0
+        prox = jnp.where(live, self._token_logprobs(state.params, batch), 0.0)
+        batch = dict(batch, proximal_logprobs=jax.lax.stop_gradient(prox))
+      minis = jax.lax.with_sharding_constraint(
+          self._interleave(batch, k), NamedSharding(self.mesh, P(None, self.batch_axes)))
+
+      def one_update(carry, mb):
+        p, o = carry
+        p, o, m = self._update(p, o, mb, state.ref_params)
+        return (p, o), m
+
+      (params, opt_state), per_update = jax.lax.scan(
+          one_update, (state.params, state.opt_state), minis)
+      metrics = {key: (v.max() if key.endswith("_max") else v.min() if key.endswith("_min")
+                       else v.mean()) for key, v in per_update.items()}
+    metrics["is_weight_min"] = jnp.where(jnp.isposinf(metrics["is_weight_min"]), 0.0,
+                                         metrics["is_weight_min"])
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def warmup(self, batch_rows: int, seq_lens: Sequence[int]) -> None:

@@ -296,6 +296,7 @@ class IntegrityLedger:
         "spans": _spans_json(traj), "num_tokens": traj.num_completion_tokens,
         "finish_reason": traj.finish_reason, "start_version": int(traj.start_version),
         "finish_version": int(traj.finish_version),
+        "reward": None if traj.reward is None else float(traj.reward),
     })
 
   def trained(self, trajs: Iterable[Trajectory], *, learner_version: int, step: int) -> None:
@@ -338,6 +339,10 @@ class IntegrityLedger:
   def count(self, reason: str) -> int:
     """Groups rejected with ``reason`` in this run."""
     return self._reasons[reason]
+
+  def reasons(self) -> dict[str, int]:
+    """Groups rejected in this run, by reason."""
+    return dict(sorted(self._reasons.items()))
 
   def summary(self) -> dict[str, Any]:
     """Event counts and rejection reasons, for the run summary."""

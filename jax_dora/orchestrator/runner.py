@@ -30,8 +30,10 @@ from typing import Any
 import numpy as np
 
 from jax_dora.learner.batching import bucket_length, make_batch, parse_buckets
-from jax_dora.learner.grpo import group_advantages
+from jax_dora.learner.losses import compute_advantages
 from jax_dora.metrics.histogram import staleness_histogram
+from jax_dora.orchestrator import dynamic_sampling
+from jax_dora.rewards.overlong import overlong_penalty
 from jax_dora.orchestrator import staleness as staleness_lib
 from jax_dora.orchestrator.dispatch import Dispatcher, to_trajectory
 from jax_dora.orchestrator.evaluation import Evaluator
@@ -114,6 +116,10 @@ class Orchestrator:
         PaceController(PaceConfig.from_config(cfg.pace)) if self.mode == "dora_pace" else None
     )
     self.pace_rejected = 0
+    self.zero_variance = dynamic_sampling.ZeroVarianceFilter(
+        bool(cfg.learner.dynamic_sampling), self.groups_per_step,
+        int(cfg.learner.dynamic_sampling_max_draws))
+    self._judged: set[int] = set()  # complete pooled groups the filter has seen
     # Prompts to (re)generate before drawing new ones: carried over from a
     # resumed run, or rejected by PACE / evicted as stale.
     self._regenerate: collections.deque[Prompt] = collections.deque(prompts.pending)
@@ -207,6 +213,9 @@ class Orchestrator:
     traj.finish_version = self.version
     traj.reward = float(await self.scorer.score(
         prompt, self.tokenizer.decode(traj.completion_tokens.tolist())))
+    traj.reward += overlong_penalty(
+        traj.num_completion_tokens, budget, int(self.cfg.reward.overlong_buffer),
+        float(self.cfg.reward.overlong_penalty))
     self._generated_tokens += traj.num_completion_tokens
     self.ledger.finished(traj)
     return traj
@@ -228,9 +237,19 @@ class Orchestrator:
         for m in range(self.group_size))))
 
   async def generate_batch(self, version: int | None) -> list[list[Trajectory]]:
-    """``groups_per_step`` new groups, all on ``version`` (None: newest)."""
-    prompts = [self.next_prompt() for _ in range(self.groups_per_step)]
-    return list(await asyncio.gather(*(self.rollout_group(p, version) for p in prompts)))
+    """``groups_per_step`` new groups, all on ``version`` (None: newest).
+
+    With dynamic sampling, zero-variance groups are dropped and replaced by
+    groups on new prompts (same version) until the batch is full.
+    """
+    groups: list[list[Trajectory]] = []
+    while len(groups) < self.groups_per_step:
+      prompts = [self.next_prompt() for _ in range(self.groups_per_step - len(groups))]
+      fresh = await asyncio.gather(*(self.rollout_group(p, version) for p in prompts))
+      keep, drop = self.zero_variance.split(fresh)
+      self._reject(drop, dynamic_sampling.REASON)
+      groups.extend(keep)
+    return groups
 
   # --------------------------------------------------------------------- pool
   def add_to_pool(self, t: Trajectory) -> None:
@@ -245,7 +264,9 @@ class Orchestrator:
     """
     reasons = [reason] * len(groups) if isinstance(reason, str) else list(reason)
     for g, why in zip(groups, reasons):
-      regenerate = why == "stale" or self.cfg.pace.on_reject == "regenerate"
+      # A zero-variance group is replaced by a new prompt, not re-rolled.
+      regenerate = why == "stale" or (
+          why != dynamic_sampling.REASON and self.cfg.pace.on_reject == "regenerate")
       self.ledger.rejected(g, why, regenerate=regenerate, version=self.version)
       self._outstanding.pop(g[0].sample_id, None)
       if regenerate:
@@ -262,6 +283,8 @@ class Orchestrator:
         raise self._fatal
       evicted = self.pool.evict_stale(self.version)
       self._reject(evicted, "stale")
+      if self.zero_variance.enabled:
+        self._drop_zero_variance()
       if self.pace is not None:
         # The oldest groups_per_step complete groups are the next batch: PACE
         # only trims the backlog beyond it.
@@ -278,6 +301,15 @@ class Orchestrator:
         return self.pool.pop_groups(self.groups_per_step)
       self._pool_changed.clear()
       await self._pool_changed.wait()
+
+  def _drop_zero_variance(self) -> None:
+    """Dynamic sampling on the pool: judges each newly complete group once."""
+    new = [g for g in self.pool.complete_groups() if g[0].sample_id not in self._judged]
+    self._judged.update(g[0].sample_id for g in new)
+    _, drop = self.zero_variance.split(new)
+    if drop:
+      self.pool.remove(drop, reason=dynamic_sampling.REASON, version=self.version)
+      self._reject(drop, dynamic_sampling.REASON)
 
   # ------------------------------------------------------------------ learner
   async def train(self, groups: list[list[Trajectory]], *, wait_s: float) -> dict[str, Any]:
@@ -298,14 +330,14 @@ class Orchestrator:
             f"staleness bound violated: {t.key} behaviour staleness {bs} > {self.max_staleness}"
         )
     rewards = np.asarray([t.reward for t in trajs], np.float32)
-    adv = group_advantages(
-        rewards,
-        self.group_size,
-        eps=self.cfg.learner.advantage_eps,
-        normalize_std=self.cfg.learner.normalize_adv_std,
-    )
+    adv = compute_advantages(
+        self.cfg.learner.advantage_estimator, rewards, self.group_size,
+        eps=self.cfg.learner.advantage_eps)
     seq_len = bucket_length(trajs, self._seq_buckets)
-    batch = make_batch(trajs, adv, seq_len, self.tokenizer.pad_id)
+    batch = make_batch(trajs, adv, seq_len, self.tokenizer.pad_id, learner_version=self.version,
+                       mask_truncated=bool(self.cfg.learner.mask_truncated))
+    self.zero_variance.new_step()
+    self._judged.difference_update(g[0].sample_id for g in groups)
     t0 = time.time()
     train_metrics = await asyncio.to_thread(self.learner.train_step, batch)
     train_s = time.time() - t0
@@ -382,6 +414,8 @@ class Orchestrator:
         "wall_time_s": elapsed,
     }
     rec.update({f"train/{k}": v for k, v in train_metrics.items()})
+    rec["truncated_frac"] = float(np.mean([t.finish_reason == "length" for t in trajs]))
+    rec.update(self.zero_variance.metrics())
     # Verifier timeouts / crashes / errors so far (each scored 0).
     rec.update(self.scorer.metrics())
     return rec
@@ -493,6 +527,8 @@ class Orchestrator:
         "final_eval_reward": final_eval,
         "final_eval_reward_stderr": self.evaluator.last_stderr,
         "integrity_violations": self.ledger.check(),
+        # Groups that left without training, by reason (stale, pace_*, zero_variance).
+        "rejected_groups": {dynamic_sampling.REASON: 0, "stale": 0, **self.ledger.reasons()},
     }
     if self.hooks.checkpoint_fn is not None:
       await self._checkpoint(self.learner.step)

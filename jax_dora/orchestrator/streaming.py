@@ -67,14 +67,15 @@ class StreamingProducer:
     whole unfinished groups matters under long tails: a group whose short
     members are done and whose long one still runs holds one slot, not
     ``group_size`` (counted as a group, such groups starved the servers of
-    work: ~30% of their slot time idle).
+    work: ~30% of their slot time idle). ``orchestrator.fill_staleness_budget``
+    drops the second cap, to study high staleness on purpose.
     """
     o = self.orch
     g = o.group_size
     if self.in_flight + o.pool.num_trajectories() + g > self.capacity_samples():
       return False
     cap = self.rollout_capacity
-    if cap is None:
+    if cap is None or o.cfg.orchestrator.get("fill_staleness_budget", False):
       return True
     batch = o.groups_per_step * g
     return self.in_flight + o.pool.num_complete_groups() * g + g <= batch + max(cap, g)
