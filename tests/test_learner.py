@@ -157,9 +157,10 @@ def test_chunked_logprobs_and_grads_equal_the_full_logits_path():
 
 @pytest.mark.parametrize("overrides", [
     {"micro_batch_size": 2},
-    {"micro_batch_size": 4, "logprob_chunk_size": 5, "remat": "full"},
-    {"micro_batch_size": 2, "loss": "decoupled_ppo", "is_correction": "tis", "tis_cap": 1.1,
-     "loss_aggregation": "seq_mean_token_mean"},
+    # Also with a loss whose normalisers (sequences) and metrics (max/min
+    # weights) do not simply add up over micro-batches.
+    {"micro_batch_size": 4, "logprob_chunk_size": 5, "remat": "full", "loss": "decoupled_ppo",
+     "is_correction": "tis", "tis_cap": 1.1, "loss_aggregation": "seq_mean_token_mean"},
 ])
 def test_micro_batched_chunked_remat_step_equals_plain_step(overrides):
   """Gradient accumulation over micro-batches (token-mean over the whole batch),

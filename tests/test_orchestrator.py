@@ -289,15 +289,19 @@ def test_dora_with_the_async_loss_options_keeps_the_constraints(tmp_path):
   """dora with decoupled PPO, token TIS, the log-linear proximal policy, Dr.GRPO
   advantages, dynamic sampling, overlong shaping and truncation masking: the
   integrity audit stays clean and the staleness metrics see old tokens."""
-  cfg = small_config(tmp_path, "dora", total_steps=4, **{
+  cfg = small_config(tmp_path, "dora", total_steps=3, **{
       "learner.loss": "decoupled_ppo", "learner.is_correction": "tis",
       "learner.proximal_logprobs": "loglinear", "learner.advantage_estimator": "drgrpo",
       "learner.dynamic_sampling": True, "learner.mask_truncated": True,
       "reward.overlong_buffer": 8, "orchestrator.max_staleness": 2,
       "reward.functions": "format", "learner.dynamic_sampling_max_draws": 2})
   summary = run_training(cfg)
-  assert summary["steps"] == 4 and summary["integrity_violations"] == []
+  assert summary["steps"] == 3 and summary["integrity_violations"] == []
   audit(cfg)
+  # Requests aborted at shutdown carry the run's incarnation (they used to
+  # carry none, were taken for another run's results and re-issued).
+  records = read_log(pathlib.Path(cfg.output_dir) / "trained_samples.jsonl")
+  assert [r for r in records if r["event"] == "reissued"] == []
   assert summary["rejected_groups"]["zero_variance"] == _audit_dynamic_sampling(cfg) > 0
   recs = [json.loads(l) for l in (pathlib.Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
   assert max(r["train/stale_token_frac"] for r in recs) > 0

@@ -465,3 +465,11 @@ async def test_stalled_server_and_stopped_embedded_driver(engine, snapshot_dir):
     await d.close()
     stuck.stop()
     good.stop()
+
+
+def test_results_aborted_before_reaching_a_server_carry_the_run_incarnation():
+  """They used to carry none: the orchestrator took them for another run's
+  results, logged an error and re-issued the sample (176 times at the end of
+  one staleness-sweep run)."""
+  d = Dispatcher([object()], incarnation="run-abc")
+  assert d._aborted("r-1", None).incarnation == "run-abc"  # pylint: disable=protected-access

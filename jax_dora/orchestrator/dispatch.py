@@ -552,16 +552,20 @@ class Dispatcher:
     d = min(self._backoff_max, self._backoff * 2 ** min(attempts - 1, 16))
     return d * self._rng.uniform(0.5, 1.0)
 
-  @staticmethod
-  def _aborted(rid: str, resume: Trajectory | None) -> RolloutResult:
-    """The result of a request aborted before it reached a server (as the driver's)."""
+  def _aborted(self, rid: str, resume: Trajectory | None) -> RolloutResult:
+    """The result of a request aborted before it reached a server (as the driver's).
+
+    It carries the run's incarnation: without it the orchestrator would take
+    it for another run's result, discard it and re-issue the sample.
+    """
     if resume is not None and resume.num_completion_tokens:
       toks = np.asarray(resume.completion_tokens, np.int32)
       lps = np.asarray(resume.behaviour_logprobs, np.float32)
       spans = tuple(resume.spans)
     else:
       toks, lps, spans = np.zeros((0,), np.int32), np.zeros((0,), np.float32), ()
-    return RolloutResult(rid, toks, lps, spans, "aborted", prefill_version=-1)
+    return RolloutResult(rid, toks, lps, spans, "aborted", prefill_version=-1,
+                         incarnation=self.incarnation or "")
 
   async def run(
       self,

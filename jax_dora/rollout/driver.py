@@ -398,7 +398,8 @@ class RolloutDriver:
     for q in dropped:
       toks, lps, spans = _resume_parts(q.request)
       self._safe_call(q.callback, api.RolloutResult(
-          q.request.request_id, toks, lps, spans, "aborted", prefill_version=-1))
+          q.request.request_id, toks, lps, spans, "aborted", prefill_version=-1,
+          incarnation=self._incarnation or ""))
     for i, s in enumerate(self._slots):
       if s is not None and s.request.request_id in aborts:
         self._finish(i, "aborted")
@@ -459,7 +460,8 @@ class RolloutDriver:
     if budget <= 0:  # Resumed with nothing left to generate.
       self.store.release(version)
       self._safe_call(q.callback, api.RolloutResult(
-          req.request_id, resume, resume_lps, spans, "length", prefill_version=version))
+          req.request_id, resume, resume_lps, spans, "length", prefill_version=version,
+          incarnation=self._incarnation or ""))
       return None
     t0 = time.perf_counter()
     padded, n = self.engine.pad_tokens(context)
