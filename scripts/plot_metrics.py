@@ -2,6 +2,9 @@
 
 Usage:
   python scripts/plot_metrics.py [LABEL=]metrics.jsonl ... -o compare.png
+      [--panels reward_mean,train/mismatch/kl_k3_stale_gt0,train/is_weight_max]
+
+``--panels`` plots any metric keys instead of the default four (one panel each).
 
 A file given without a label is labelled by its run directory (its ``mode``
 field if the records carry one), so ``runs/*/metrics.jsonl`` gives a readable
@@ -58,9 +61,12 @@ def parse_run(arg: str) -> tuple[str, str]:
   return "", arg
 
 
-def plot(runs: list[tuple[str, str]], out: str) -> None:
+def plot(runs: list[tuple[str, str]], out: str,
+         panels: tuple[tuple[str, str], ...] = PANELS) -> None:
   """Writes one PNG with a panel per metric, one line per run."""
-  fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+  cols = 2 if len(panels) > 1 else 1
+  rows = -(-len(panels) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
   for label, path in runs:
     recs = read_metrics(path)
     if not recs:
@@ -69,12 +75,14 @@ def plot(runs: list[tuple[str, str]], out: str) -> None:
     if not label:
       label = recs[0].get("mode") or os.path.basename(os.path.dirname(os.path.abspath(path)))
     t = _wall_time(recs)
-    for ax, (key, _) in zip(axes.flat, PANELS):
+    for ax, (key, _) in zip(axes.flat, panels):
       pts = [(x, _value(r, key)) for x, r in zip(t, recs)]
       pts = [(x, y) for x, y in pts if y is not None]
       if pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker=".", ms=3)
-  for ax, (_, title) in zip(axes.flat, PANELS):
+  for ax in list(axes.flat)[len(panels):]:
+    ax.set_visible(False)
+  for ax, (_, title) in zip(axes.flat, panels):
     ax.set_title(title)
     ax.set_xlabel("wall time (s)")
     ax.grid(alpha=0.3)
@@ -90,8 +98,11 @@ def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("runs", nargs="+", help="metrics.jsonl files, optionally LABEL=PATH")
   ap.add_argument("-o", "--output", default="metrics.png", help="PNG file to write")
+  ap.add_argument("--panels", default="", help="comma-separated metric keys (default: reward,"
+                  " throughput, bubble, effective staleness)")
   a = ap.parse_args(argv)
-  plot([parse_run(r) for r in a.runs], a.output)
+  panels = tuple((k, k) for k in a.panels.split(",") if k) or PANELS
+  plot([parse_run(r) for r in a.runs], a.output, panels)
   print(a.output)
 
 

@@ -68,6 +68,7 @@ def test_plot_script_writes_a_png(tmp_path):
             "step": s, "mode": mode, "wall_time_s": s / speed, "reward_mean": 0.1 * s,
             "trained_tokens_per_s": 100 * speed, "bubble_ratio": 0.5 / speed,
             "staleness_effective": staleness_histogram([0, s % 3]), "eval_reward": None,
+            "train/mismatch/kl_k3_stale_gt0": 1e-3 * s,
         })
     runs.append(str(path))
   out = tmp_path / "plots" / "compare.png"
@@ -79,3 +80,11 @@ def test_plot_script_writes_a_png(tmp_path):
   assert proc.returncode == 0, proc.stderr
   data = out.read_bytes()
   assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+  # Any metric key as a panel (here the loss's mismatch metric).
+  one = tmp_path / "plots" / "mismatch.png"
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "plot_metrics.py"), runs[0], "-o", str(one),
+       "--panels", "train/mismatch/kl_k3_stale_gt0"],
+      capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert one.read_bytes()[:4] == b"\x89PNG"
