@@ -56,3 +56,26 @@ def test_learner_memory_benchmark_chunked_below_naive():
   assert chunked < naive / 2 and micro <= chunked
   predicted = res["model"]["predicted_chunked_temp"]
   assert abs(chunked - predicted) / predicted < 0.35, res
+
+
+def test_staleness_sweep_reads_realised_staleness_and_mismatch(tmp_path):
+  """The sweep's per-run numbers from a metrics log written out by hand (the
+  full sweep is an hour; its runs are benchmarks/modes.py runs, smoke-tested above)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import staleness_sweep  # pylint: disable=g-import-not-at-top
+
+  recs = [
+      {"staleness_behaviour": {"mean": 0.0, "max": 0, "n": 4}, "train/stale_token_frac": 0.0,
+       "train/mismatch/kl_k3_stale0": 0.0, "train/mismatch/kl_k3_stale_gt0": 0.0,
+       "train/is_weight_max": 1.0},
+      {"staleness_behaviour": {"mean": 3.0, "max": 5, "n": 4}, "train/stale_token_frac": 0.5,
+       "train/mismatch/kl_k3_stale0": 0.0, "train/mismatch/kl_k3_stale_gt0": 0.02,
+       "train/is_weight_max": 2.5},
+  ]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+  m = staleness_sweep.run_metrics(tmp_path)
+  # Mean of step means; KL of stale tokens only over steps that had any.
+  assert m == {"staleness_mean": 1.5, "staleness_max": 5, "kl_stale0": 0.0,
+               "kl_stale_gt0": 0.02, "is_weight_max": 2.5}
+  with pytest.raises(SystemExit):
+    staleness_sweep.main(["--losses=ppo2"])
