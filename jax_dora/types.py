@@ -52,6 +52,8 @@ class Trajectory:
   spans: list[TokenSpan]
   finish_reason: str  # "eos" | "length" | "aborted"
   reward: float | None = None
+  # Part of ``reward`` added by shaping (DAPO's overlong penalty), not the verifier.
+  reward_shaping: float = 0.0
   start_version: int = -1
   finish_version: int = -1
   consumed_version: int = -1

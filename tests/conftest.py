@@ -1,8 +1,26 @@
-"""Session fixtures shared by the real-model tests."""
+"""Session fixtures shared by the real-model tests; a compilation cache for child processes."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
+import jax  # noqa: F401  (reads this process's JAX config before the cache dir is exported)
 import pytest
+
+# Tests start many child processes (train CLI runs, killed-and-resumed
+# learners, rollout servers, the notebook kernel) that compile the same
+# tiny-model programs again and again: a persistent XLA cache shared by this
+# session's children turns the repeats into loads (the killed-run test alone
+# starts three learners). Not for this process: its compile-counting tests
+# (_compiles.py) must see real compiles, so the variable is exported only
+# after JAX read its config here.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="jax_dora_test_xla_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -88,3 +88,13 @@ def test_plot_script_writes_a_png(tmp_path):
       capture_output=True, text=True, timeout=120, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr
   assert one.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_log_line_reports_the_mismatch_kl():
+  from jax_dora.orchestrator.telemetry import log_line  # pylint: disable=g-import-not-at-top
+
+  rec = {"step": 3, "reward_mean": 0.25, "completion_len_mean": 12.0, "train/loss": 0.5,
+         "bubble_ratio": 0.1, "trained_tokens_per_s": 100.0, "pool_groups": 2,
+         "staleness_behaviour": {"mean": 1.5, "max": 3}, "train/mismatch/kl_k3": 0.0123}
+  assert log_line(rec) == ("step 3 | reward 0.250 | len 12 | loss 0.5000 | bubble 0.10 | 100 tok/s"
+                           " | staleness mean 1.50 max 3 | pool 2 | mismatch kl 1.2e-02")

@@ -57,12 +57,13 @@ def audit(cfg) -> IntegrityLedger:
   return ledger
 
 
-# Every mode runs in the default suite through another test as well (one_step_off:
-# exact staleness; partial_rollout: a server killed mid-run; async_unfiltered: eval
-# under aborts; dora: fixed answer lengths + background publishing, and the
-# recovery test; dora_pace: chaos and the multi-process runs), so only sync runs
-# here by default; the rest of this sweep is `slow` (about a minute each on 2 cores).
-_COVERED_ELSEWHERE = ("one_step_off", "partial_rollout", "async_unfiltered", "dora", "dora_pace")
+# Every mode runs in the default suite through another test as well (sync: unit
+# ratios + dynamic sampling, and the learning e2e test; one_step_off: exact
+# staleness; partial_rollout: a server killed mid-run; async_unfiltered: eval under
+# aborts; dora: fixed answer lengths + background publishing, the loss options, and
+# the recovery test; dora_pace: chaos and the multi-process runs), each with this
+# same audit, so this sweep is `slow` (20 s to a minute per mode on 2 cores).
+_COVERED_ELSEWHERE = MODES
 
 
 @pytest.mark.parametrize("mode", [
@@ -124,7 +125,8 @@ def test_random_workloads_with_a_server_killed_mid_run(
   assert any(e["event"] == "reissued" for e in events), "the kill should have hit in-flight work"
 
 
-@pytest.mark.parametrize("mode", ["sync", "dora"])
+# sync waits on the same dispatcher path as dora (`slow`, to keep the suite's time).
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "dora"])
 def test_losing_every_server_fails_loudly(tmp_path, mode):
   """No live rollout server left: a clear error, not a hang or silent loss."""
   cfg = small_config(tmp_path, mode, total_steps=50, **{"rollout.num_servers": 1})
@@ -305,6 +307,9 @@ def test_dora_with_the_async_loss_options_keeps_the_constraints(tmp_path):
   assert summary["rejected_groups"]["zero_variance"] == _audit_dynamic_sampling(cfg) > 0
   recs = [json.loads(l) for l in (pathlib.Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
   assert max(r["train/stale_token_frac"] for r in recs) > 0
+  # The format reward is 0 for a random policy: the reward is the overlong shaping.
+  for r in recs:
+    assert r["overlong_penalty_mean"] == pytest.approx(r["reward_mean"], abs=1e-6)
   for r in recs:
     assert r["train/is_weight_max"] <= cfg.learner.tis_cap + 1e-6
     assert 0 <= r["train/is_truncated_frac"] <= 1

@@ -213,9 +213,10 @@ class Orchestrator:
     traj.finish_version = self.version
     traj.reward = float(await self.scorer.score(
         prompt, self.tokenizer.decode(traj.completion_tokens.tolist())))
-    traj.reward += overlong_penalty(
+    traj.reward_shaping = overlong_penalty(
         traj.num_completion_tokens, budget, int(self.cfg.reward.overlong_buffer),
         float(self.cfg.reward.overlong_penalty))
+    traj.reward += traj.reward_shaping
     self._generated_tokens += traj.num_completion_tokens
     self.ledger.finished(traj)
     return traj
@@ -415,6 +416,7 @@ class Orchestrator:
     }
     rec.update({f"train/{k}": v for k, v in train_metrics.items()})
     rec["truncated_frac"] = float(np.mean([t.finish_reason == "length" for t in trajs]))
+    rec["overlong_penalty_mean"] = float(np.mean([t.reward_shaping for t in trajs]))
     rec.update(self.zero_variance.metrics())
     # Verifier timeouts / crashes / errors so far (each scored 0).
     rec.update(self.scorer.metrics())

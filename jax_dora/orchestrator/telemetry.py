@@ -20,6 +20,10 @@ def log_line(rec: dict[str, Any]) -> str:
       f"staleness mean {beh.get('mean') or 0:.2f} max {beh.get('max') or 0}",
       f"pool {rec['pool_groups']}",
   ]
+  kl = rec.get("train/mismatch/kl_k3")
+  if kl is not None:
+    # Learner vs behaviour log-probs: 0 on-policy; grows with staleness.
+    parts.append(f"mismatch kl {kl:.1e}")
   if rec.get("eval_reward") is not None:
     parts.append(f"eval {rec['eval_reward']:.3f}")
   return " | ".join(parts)
