@@ -19,6 +19,7 @@ import pytest
 
 from jax_dora.config import MODES, base_config
 from jax_dora.orchestrator.dispatch import NoLiveServersError
+from jax_dora.metrics.jsonl import read_metrics
 from jax_dora.orchestrator.integrity import IntegrityLedger, read_log
 from jax_dora.runtime import run_training
 
@@ -279,7 +280,7 @@ def test_sync_is_on_policy_with_unit_ratios_and_dynamic_sampling(tmp_path):
   for r in ledger.trained_records():
     assert {s[2] for s in r["spans"]} == {r["learner_version"]}
   assert summary["rejected_groups"]["zero_variance"] == _audit_dynamic_sampling(cfg) > 0
-  recs = [json.loads(l) for l in (pathlib.Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+  recs = read_metrics(pathlib.Path(cfg.output_dir) / "metrics.jsonl")
   for rec in recs:
     assert rec["train/mismatch/abs_log_ratio_mean"] < 1e-5, rec["step"]
     assert abs(rec["train/mismatch/kl_k3"]) < 1e-8, rec["step"]
@@ -305,7 +306,7 @@ def test_dora_with_the_async_loss_options_keeps_the_constraints(tmp_path):
   records = read_log(pathlib.Path(cfg.output_dir) / "trained_samples.jsonl")
   assert [r for r in records if r["event"] == "reissued"] == []
   assert summary["rejected_groups"]["zero_variance"] == _audit_dynamic_sampling(cfg) > 0
-  recs = [json.loads(l) for l in (pathlib.Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+  recs = read_metrics(pathlib.Path(cfg.output_dir) / "metrics.jsonl")
   assert max(r["train/stale_token_frac"] for r in recs) > 0
   # The format reward is 0 for a random policy: the reward is the overlong shaping.
   for r in recs:

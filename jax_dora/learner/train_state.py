@@ -182,14 +182,18 @@ class Learner:
         hidden, head_weight(self.model_cfg, params), batch["targets"],
         temperature=self.temperature, mask=self.suppress_mask, chunk=self.logprob_chunk)
 
+  def _trained_logprobs(self, params, batch) -> jax.Array:
+    """Log-probs of the target tokens, 0 where the mask is 0.
+
+    Padded targets may be suppressed ids (-1e30): keep them out of exp().
+    """
+    return jnp.where(batch["mask"] > 0, self._token_logprobs(params, batch), 0.0)
+
   def _loss(self, params, batch, ref_params, totals: BatchTotals):
-    live = batch["mask"] > 0
-    # Padded targets may be suppressed ids (-1e30): keep them out of exp().
-    logp = jnp.where(live, self._token_logprobs(params, batch), 0.0)
+    logp = self._trained_logprobs(params, batch)
     ref_logp = None
     if ref_params is not None:
-      ref_logp = jax.lax.stop_gradient(
-          jnp.where(live, self._token_logprobs(ref_params, batch), 0.0))
+      ref_logp = jax.lax.stop_gradient(self._trained_logprobs(ref_params, batch))
     settings = self.loss_settings
     prox = batch.get("proximal_logprobs")
     if prox is None and settings.needs_proximal and settings.proximal == "loglinear":
@@ -229,15 +233,17 @@ class Learner:
         self._interleave(batch, rows // micro), NamedSharding(self.mesh, P(None, self.batch_axes)))
 
   @staticmethod
-  def _combine(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Adds metric dicts; ``*_max`` / ``*_min`` keys take the max / min."""
-    def one(k):
+  def _reduce_metrics(stacked: dict[str, jax.Array], add) -> dict[str, jax.Array]:
+    """Metrics stacked over parts -> one value each: ``*_max`` / ``*_min`` keys
+    take the max / min, the rest ``add`` (sum over micro-batches, whose metrics
+    are normalised by whole-batch totals; mean over minibatch updates)."""
+    def one(k, v):
       if k.endswith("_max"):
-        return jnp.maximum(a[k], b[k])
+        return v.max(0)
       if k.endswith("_min"):
-        return jnp.minimum(a[k], b[k])
-      return a[k] + b[k]
-    return {k: one(k) for k in a}
+        return v.min(0)
+      return add(v, 0)
+    return {k: one(k, v) for k, v in stacked.items()}
 
   def _gradients(self, params, batch, ref_params):
     """``(loss, metrics, grads)`` of one (mini)batch, accumulated over micro-batches."""
@@ -250,19 +256,16 @@ class Learner:
 
     def accumulate(carry, mb):
       (l, m), g = grad_fn(params, mb, ref_params, totals)
-      cl, cm, cg = carry
-      return (cl + l, self._combine(cm, m), jax.tree.map(jnp.add, cg, g)), None
+      cl, cg = carry
+      return (cl + l, jax.tree.map(jnp.add, cg, g)), m
 
     first = jax.tree.map(lambda x: x[0], micro)
-    (l0, m0), g0 = jax.eval_shape(grad_fn, params, first, ref_params, totals)
+    (l0, _), g0 = jax.eval_shape(grad_fn, params, first, ref_params, totals)
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (l0, g0))
-    metrics0 = {k: jnp.full(v.shape, jnp.inf if k.endswith("_min") else 0.0, v.dtype)
-                for k, v in m0.items()}
     # Accumulate gradients in the params' layout, not wherever GSPMD would guess.
-    init = (zeros[0], metrics0,
-            jax.lax.with_sharding_constraint(zeros[1], self.state_sharding.params))
-    (loss, metrics, grads), _ = jax.lax.scan(accumulate, init, micro)
-    return loss, metrics, grads
+    init = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], self.state_sharding.params))
+    (loss, grads), per_micro = jax.lax.scan(accumulate, init, micro)
+    return loss, self._reduce_metrics(per_micro, jnp.sum), grads
 
   def _update(self, params, opt_state, batch, ref_params):
     loss, metrics, grads = self._gradients(params, batch, ref_params)
@@ -279,9 +282,8 @@ class Learner:
       if self.loss_settings.needs_proximal and self.loss_settings.proximal == "recompute":
         # pi_prox is the current version's policy: one forward pass before
         # the first update moves the parameters.
-        live = batch["mask"] > 0
-        prox = jnp.where(live, self._token_logprobs(state.params, batch), 0.0)
-        batch = dict(batch, proximal_logprobs=jax.lax.stop_gradient(prox))
+        prox = jax.lax.stop_gradient(self._trained_logprobs(state.params, batch))
+        batch = dict(batch, proximal_logprobs=prox)
       minis = jax.lax.with_sharding_constraint(
           self._interleave(batch, k), NamedSharding(self.mesh, P(None, self.batch_axes)))
 
@@ -292,8 +294,7 @@ class Learner:
 
       (params, opt_state), per_update = jax.lax.scan(
           one_update, (state.params, state.opt_state), minis)
-      metrics = {key: (v.max() if key.endswith("_max") else v.min() if key.endswith("_min")
-                       else v.mean()) for key, v in per_update.items()}
+      metrics = self._reduce_metrics(per_update, jnp.mean)
     metrics["is_weight_min"] = jnp.where(jnp.isposinf(metrics["is_weight_min"]), 0.0,
                                          metrics["is_weight_min"])
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -39,7 +39,6 @@ class ZeroVarianceFilter:
     self.enabled = enabled
     self.budget = max(0, int(max_draws) - 1) * int(groups_per_step)
     self.dropped_this_step = 0
-    self.dropped_total = 0
     self.accepted_over_budget = 0  # zero-variance groups trained after the budget ran out
     self._warned = False
 
@@ -54,7 +53,6 @@ class ZeroVarianceFilter:
       if self.enabled and is_zero_variance(g):
         if self.dropped_this_step < self.budget:
           self.dropped_this_step += 1
-          self.dropped_total += 1
           drop.append(g)
           continue
         self.accepted_over_budget += 1
@@ -65,7 +63,3 @@ class ZeroVarianceFilter:
                       self.dropped_this_step)
       keep.append(g)
     return keep, drop
-
-  def metrics(self) -> dict[str, int]:
-    return {"dynamic_sampling/dropped_total": self.dropped_total,
-            "dynamic_sampling/accepted_over_budget": self.accepted_over_budget}

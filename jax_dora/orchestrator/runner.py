@@ -417,7 +417,9 @@ class Orchestrator:
     rec.update({f"train/{k}": v for k, v in train_metrics.items()})
     rec["truncated_frac"] = float(np.mean([t.finish_reason == "length" for t in trajs]))
     rec["overlong_penalty_mean"] = float(np.mean([t.reward_shaping for t in trajs]))
-    rec.update(self.zero_variance.metrics())
+    # Drops are counted by the ledger that records them.
+    rec["dynamic_sampling/dropped_total"] = self.ledger.count(dynamic_sampling.REASON)
+    rec["dynamic_sampling/accepted_over_budget"] = self.zero_variance.accepted_over_budget
     # Verifier timeouts / crashes / errors so far (each scored 0).
     rec.update(self.scorer.metrics())
     return rec

@@ -94,8 +94,12 @@ def policy_loss(
     kl = jnp.zeros(())
   loss = pg_loss + s.kl_coef * kl
 
+  def mean_over(x: jax.Array, tokens: jax.Array, count: jax.Array) -> jax.Array:
+    """Mean of ``x`` over the ``tokens`` mask, whose whole-batch size is ``count``."""
+    return (x * tokens).sum() / jnp.maximum(count, 1.0)
+
   def token_mean(x: jax.Array) -> jax.Array:
-    return (x * mask).sum() / totals.tokens
+    return mean_over(x, mask, totals.tokens)
 
   live = mask > 0
   is_weight = jnp.exp(corr.log_weight)
@@ -119,10 +123,10 @@ def policy_loss(
       "mismatch/log_ratio_mean": token_mean(mismatch),
       "mismatch/abs_log_ratio_mean": token_mean(jnp.abs(mismatch)),
       "mismatch/kl_k3": token_mean(k3(mismatch)),
-      "mismatch/log_ratio_mean_stale0": (mismatch * fresh).sum() / jnp.maximum(totals.fresh_tokens, 1.0),
-      "mismatch/kl_k3_stale0": (k3(mismatch) * fresh).sum() / jnp.maximum(totals.fresh_tokens, 1.0),
-      "mismatch/log_ratio_mean_stale_gt0": (mismatch * stale).sum() / jnp.maximum(totals.stale_tokens, 1.0),
-      "mismatch/kl_k3_stale_gt0": (k3(mismatch) * stale).sum() / jnp.maximum(totals.stale_tokens, 1.0),
+      "mismatch/log_ratio_mean_stale0": mean_over(mismatch, fresh, totals.fresh_tokens),
+      "mismatch/kl_k3_stale0": mean_over(k3(mismatch), fresh, totals.fresh_tokens),
+      "mismatch/log_ratio_mean_stale_gt0": mean_over(mismatch, stale, totals.stale_tokens),
+      "mismatch/kl_k3_stale_gt0": mean_over(k3(mismatch), stale, totals.stale_tokens),
       "stale_token_frac": token_mean((staleness > 0).astype(jnp.float32)),
   }
   return LossOutput(loss, metrics)

@@ -34,23 +34,23 @@ class LossSettings:
 
   @classmethod
   def from_config(cls, cfg: ml_collections.ConfigDict, default_norm_length: int) -> LossSettings:
-    get = cfg.get
+    """From the run config's ``learner`` block (``jax_dora.config`` holds the defaults)."""
     return cls(
-        loss=str(get("loss", "grpo")),
-        aggregation=str(get("loss_aggregation", "token_mean")),
-        correction=str(get("is_correction", "none")),
-        correction_level=str(get("is_level", "token")),
-        clip_eps=float(get("clip_eps", 0.2)),
-        clip_eps_high=float(get("clip_eps_high", None) or get("clip_eps", 0.2)),
-        gspo_clip_eps=float(get("gspo_clip_eps", 3e-4)),
-        gspo_clip_eps_high=float(get("gspo_clip_eps_high", 4e-4)),
-        cispo_clip_high=float(get("cispo_clip_high", 5.0)),
-        tis_cap=float(get("tis_cap", math.inf)),
-        mis_low=float(get("mis_low", 0.0)),
-        mis_high=float(get("mis_high", math.inf)),
-        kl_coef=float(get("kl_coef", 0.0)),
-        norm_length=int(get("loss_norm_length", 0) or default_norm_length),
-        proximal=str(get("proximal_logprobs", "recompute")),
+        loss=str(cfg.loss),
+        aggregation=str(cfg.loss_aggregation),
+        correction=str(cfg.is_correction),
+        correction_level=str(cfg.is_level),
+        clip_eps=float(cfg.clip_eps),
+        clip_eps_high=float(cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high),
+        gspo_clip_eps=float(cfg.gspo_clip_eps),
+        gspo_clip_eps_high=float(cfg.gspo_clip_eps_high),
+        cispo_clip_high=float(cfg.cispo_clip_high),
+        tis_cap=float(cfg.tis_cap),
+        mis_low=float(cfg.mis_low),
+        mis_high=float(cfg.mis_high),
+        kl_coef=float(cfg.kl_coef),
+        norm_length=int(cfg.loss_norm_length or default_norm_length),
+        proximal=str(cfg.proximal_logprobs),
     )
 
   @property
