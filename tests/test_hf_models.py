@@ -80,8 +80,9 @@ def test_prefill_logits_match_transformers(hf_dirs, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_decode_matches_transformers_for_two_versions(hf_dirs, family):
   """Greedy KV-cache decode through the engine (2-way tensor parallel, two live versions
-  in one fused step) equals ``transformers``' forward: tokens are its argmax, log-probs
-  its log-softmax, suppressed ids excluded."""
+  in one fused step, batched prefill with a shared-prompt pair, blocked attention over
+  the live cache blocks) equals ``transformers``' forward: tokens are its argmax,
+  log-probs its log-softmax, suppressed ids excluded."""
   import torch
 
   other = hf_dirs["qwen2_b"] if family == "qwen2" else hf_dirs["qwen2"]
@@ -90,7 +91,7 @@ def test_engine_decode_matches_transformers_for_two_versions(hf_dirs, family):
   ckpts = {v: open_checkpoint(p) for v, p in paths.items()}
   cfg = model_config_from_checkpoint(ckpts[1], max_seq_len=96)
   engine = DoraEngine(cfg, tok, num_slots=4, max_prefill_length=32, temperature=0.0,
-                      devices=jax.devices()[4:6], tensor_parallel=2)
+                      devices=jax.devices()[4:6], tensor_parallel=2, attention_block=24)
   params = {v: load_params(c, model_config_from_checkpoint(c, max_seq_len=96), engine.param_sharding)
             for v, c in ckpts.items()}
   if family != "qwen2":  # a second, different version of the same architecture
@@ -98,14 +99,18 @@ def test_engine_decode_matches_transformers_for_two_versions(hf_dirs, family):
   mv = MultiVersionParams(params, (1, 2))
   prompts = [tok.encode_prompt(t) for t in ("What is 12 + 30?", "Natalia sold 48 clips.",
                                              "How many clips?")]
-  pins = [1, 2, 1]
+  prompts.append(prompts[0])  # slots 0 and 3: one prompt, prefilled once
+  pins = [1, 2, 1, 1]
   state = engine.init_decode_state()
   out = {}
-  for slot, (p, v) in enumerate(zip(prompts, pins)):
-    padded, n = engine.pad_tokens(p)
-    prefix = engine.prefill(params=mv, padded_tokens=padded, true_length=n, version=v)
-    state = engine.insert(prefix, state, slot)
-    out[slot] = ([int(prefix.token)], [float(prefix.logprob)])
+  for v in (1, 2):
+    slots = [s for s, pin in enumerate(pins) if pin == v]
+    state, firsts, work = engine.prefill_insert_batch_async(
+        params[v], v, [prompts[s] for s in slots], slots, state)
+    assert work.computed_tokens == sum(len(prompts[s]) for s in set(slots) - {3})
+    for slot, (arr, row) in zip(slots, firsts):
+      tok0, lp0 = np.asarray(arr)[row]
+      out[slot] = ([int(tok0)], [float(lp0)])
   for _ in range(12):
     state, res = engine.generate(mv, state)
     res = res.convert_to_numpy()

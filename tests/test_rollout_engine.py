@@ -7,6 +7,7 @@ must produce exactly what a fresh full forward over each sequence predicts.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -22,9 +23,12 @@ TOK = CharTokenizer()
 CFG = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=48)
 
 
-def _engine(temperature: float, num_slots: int = 4, seed: int = 0) -> DoraEngine:
+def _engine(temperature: float, num_slots: int = 4, seed: int = 0, **kw) -> DoraEngine:
+  # Blocks of 20 over a 48-entry cache: three blocks, the last one clamped
+  # (it overlaps the second), so every decode below crosses block edges.
+  kw.setdefault("attention_block", 20)
   return DoraEngine(CFG, TOK, num_slots=num_slots, max_prefill_length=16,
-                    temperature=temperature, seed=seed)
+                    temperature=temperature, seed=seed, **kw)
 
 
 def _prompt(text: str) -> np.ndarray:
@@ -246,3 +250,96 @@ def test_three_versions_each_decode_their_gathered_rows_exactly():
   pinned = {0: 1, 1: 3, 2: 2, 3: 1}
   prompts = {slot: _prompt(f"{slot}+{v}=") for slot, v in pinned.items()}
   _assert_pinned_decode_matches_full_forward(params, pinned, prompts, steps=5)
+
+
+def test_four_live_versions_each_decode_their_rows_exactly():
+  params = {v: init_params(CFG, jax.random.PRNGKey(40 + v)) for v in (1, 2, 3, 4)}
+  pinned = {0: 3, 1: 1, 2: 4, 3: 2}
+  prompts = {slot: _prompt(f"{v}*{slot}=") for slot, v in pinned.items()}
+  _assert_pinned_decode_matches_full_forward(params, pinned, prompts, steps=5)
+
+
+def _batched_groups(engine, ps, steps):
+  """Admits two GRPO-style groups and a long resumed-like context through
+  :meth:`prefill_insert_batch_async` on two versions, then decodes both versions
+  together. Returns ``(contexts, pins, tokens, logprobs, work)`` per slot."""
+  p1, p2 = _prompt("12+34="), _prompt("sort: c a b")
+  long_ctx = _prompt("a longer context: 0123456789 abc")  # a second length bucket
+  contexts = {0: p1, 1: p1, 2: p1, 3: long_ctx, 4: p2, 5: p2}
+  pins = {0: 1, 1: 1, 2: 1, 3: 1, 4: 2, 5: 2}
+  state = engine.init_decode_state()
+  firsts, works = {}, []
+  for v in (1, 2):
+    slots = [s for s in contexts if pins[s] == v]
+    state, out, work = engine.prefill_insert_batch_async(
+        ps[v], v, [contexts[s] for s in slots], slots, state)
+    works.append(work)
+    for s, (arr, row) in zip(slots, out):
+      firsts[s] = np.asarray(arr)[row]
+  toks = {s: [int(firsts[s][0])] for s in contexts}
+  lps = {s: [float(firsts[s][1])] for s in contexts}
+  mv = MultiVersionParams(ps, (1, 2))
+  for _ in range(steps):
+    state, res = engine.generate(mv, state)
+    res = res.convert_to_numpy()
+    for s in contexts:
+      toks[s].append(int(res.data[s, 0]))
+      lps[s].append(float(res.logprobs[s, 0]))
+  return contexts, pins, toks, lps, works
+
+
+@pytest.mark.parametrize("decode_attention", ["blocked", "dense"])
+def test_batched_shared_prefill_then_decode_matches_full_forward(decode_attention):
+  """Groups sharing a prompt are prefilled once (the work counts say so), every
+  member's tokens and log-probs equal its own version's full forward pass."""
+  engine = _engine(temperature=0.0, num_slots=6, decode_attention=decode_attention)
+  ps = {v: engine.place_params(init_params(CFG, jax.random.PRNGKey(50 + v))) for v in (1, 2)}
+  contexts, pins, toks, lps, works = _batched_groups(engine, ps, steps=6)
+  v1, v2 = works
+  # Version 1: three members of one group + one other context -> two computed.
+  assert v1.requests == 4 and v1.computed_tokens == len(contexts[0]) + len(contexts[3])
+  assert v1.requested_tokens == 3 * len(contexts[0]) + len(contexts[3])
+  assert v1.calls == 2  # two length buckets
+  assert v2.requests == 2 and v2.computed_tokens == len(contexts[4]) and v2.calls == 1
+  for s, ctx in contexts.items():
+    seq = np.concatenate([ctx, toks[s]]).astype(np.int32)
+    logp = _full_logp(ps[pins[s]], seq)
+    n = len(ctx)
+    np.testing.assert_array_equal(toks[s], logp[n - 1:len(seq) - 1].argmax(-1))
+    np.testing.assert_allclose(lps[s], logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=1e-4)
+
+
+def test_shared_prefill_members_sample_their_own_tokens():
+  """At temperature 1 the members of a shared-prompt group draw independent
+  first tokens (own keys), and their log-probs still match the full forward."""
+  engine = _engine(temperature=1.0, num_slots=6, seed=7)
+  ps = {v: engine.place_params(init_params(CFG, jax.random.PRNGKey(60 + v))) for v in (1, 2)}
+  contexts, pins, toks, lps, _ = _batched_groups(engine, ps, steps=4)
+  group = [tuple(toks[s]) for s in (0, 1, 2)]
+  assert len(set(group)) > 1, group
+  for s, ctx in contexts.items():
+    seq = np.concatenate([ctx, toks[s]]).astype(np.int32)
+    logp = _full_logp(ps[pins[s]], seq)
+    n = len(ctx)
+    np.testing.assert_allclose(lps[s], logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=1e-4)
+
+
+def test_sharing_off_prefills_every_member():
+  engine = _engine(temperature=0.0, num_slots=6, share_prompt_prefill=False)
+  ps = {v: engine.place_params(init_params(CFG, jax.random.PRNGKey(50 + v))) for v in (1, 2)}
+  contexts, _, toks, _, works = _batched_groups(engine, ps, steps=2)
+  assert works[0].computed_tokens == works[0].requested_tokens == 3 * len(contexts[0]) + len(contexts[3])
+  assert toks[0] == toks[1] == toks[2]  # greedy: same prompt, same tokens either way
+
+
+def test_bf16_model_keeps_a_bf16_cache():
+  cfg = dataclasses.replace(CFG, dtype="bfloat16", param_dtype="bfloat16")
+  engine = DoraEngine(cfg, TOK, num_slots=2, max_prefill_length=16, temperature=0.0)
+  state = engine.init_decode_state()
+  assert state.cache.k.dtype == jnp.bfloat16 and state.cache.v.dtype == jnp.bfloat16
+  params = engine.place_params(init_params(cfg, jax.random.PRNGKey(0)))
+  padded, n = engine.pad_tokens(_prompt("abc"))
+  state, _, _ = engine.prefill_insert(params, 0, padded, n, state, 0)
+  state, res = engine.generate(MultiVersionParams.single(0, params), state)
+  assert state.cache.k.dtype == jnp.bfloat16
+  assert np.isfinite(res.convert_to_numpy().logprobs[0, 0])

@@ -19,9 +19,10 @@ from jax_dora.model.kv_cache import KVCache
 from jax_dora.model.tokenizer import CharTokenizer
 from jax_dora.model.logits import chunked_token_logprobs, suppress_mask, token_logprobs
 from jax_dora.model.rope import apply_rope
-from jax_dora.model.transformer import Transformer, head_weight
+from jax_dora.model.transformer import DECODE_ATTENTION, Transformer, head_weight
 
 __all__ = [
+    "DECODE_ATTENTION",
     "ModelConfig",
     "CharTokenizer",
     "KVCache",

@@ -112,6 +112,71 @@ def _attend_cache_and_self(
   return ctx.reshape(b, t, h, d).astype(q.dtype)
 
 
+def _attend_cache_and_self_blocked(
+    q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array,
+    positions: jax.Array, rows: jax.Array | None, block: int,
+) -> jax.Array:
+  """:func:`_attend_cache_and_self` reading only the cache blocks below the
+  longest live row (flash-decoding style online softmax).
+
+  The dense version scores every one of ``max_seq_len`` cache entries per
+  step, so a decode step costs the cache size, not what was generated; for
+  reasoning traces served from an 8k-32k cache that is most of the step.
+  Here a ``while`` loop visits blocks ``0 .. ceil(max(positions) / block)``
+  only, keeping a running max / normaliser / weighted sum per query head, so
+  the cost follows the live lengths. The row's own new key/value seeds the
+  running state (it is not in the cache yet, see ``defer_cache_write``).
+
+  ``rows[B]``: cache rows the ``B`` queries belong to (a gathered sub-batch of
+  one policy version under DORA), read block by block instead of gathering
+  whole rows; ``None`` means row ``b`` is query ``b``. This XLA path runs on
+  every backend; the gathers and the loop bound are dynamic, so one compile
+  serves every length.
+  """
+  b, t, h, d = q.shape
+  s, n_kv = ck.shape[1], ck.shape[2]
+  block = max(1, min(int(block), s))
+  scale = d ** -0.5
+  qg = _group(q.astype(jnp.float32), n_kv)[:, 0]  # [B,Hkv,G,D]
+  kf = k.astype(ck.dtype).astype(jnp.float32)[:, 0]  # [B,Hkv,D], rounded as the cache stores it
+  vf = v.astype(cv.dtype).astype(jnp.float32)[:, 0]
+  pos = positions[:, 0]  # [B]: the row's entries j < pos are in the cache
+  m = jnp.einsum("bkgd,bkd->bkg", qg, kf) * scale
+  norm = jnp.ones_like(m)
+  acc = jnp.broadcast_to(vf[:, :, None, :], qg.shape)
+  n_blocks = (jnp.max(pos) + block - 1) // block
+  offsets = jnp.arange(block, dtype=jnp.int32)
+
+  def visit(i, carry):
+    m, norm, acc = carry
+    # The last block may start early (clamped) so it never runs off the
+    # cache; the ``>= i * block`` test keeps overlapped entries counted once.
+    start = jnp.minimum(i * block, s - block)
+    idx = start + offsets
+    if rows is None:
+      kb = jax.lax.dynamic_slice_in_dim(ck, start, block, axis=1)
+      vb = jax.lax.dynamic_slice_in_dim(cv, start, block, axis=1)
+    else:
+      kb, vb = ck[rows[:, None], idx[None, :]], cv[rows[:, None], idx[None, :]]
+    scores = jnp.einsum("bkgd,bskd->bkgs", qg, kb.astype(jnp.float32)) * scale
+    valid = (idx[None, :] < pos[:, None]) & (idx[None, :] >= i * block)  # [B,block]
+    scores = jnp.where(valid[:, None, None, :], scores, _MASK_VALUE)
+    m_new = jnp.maximum(m, scores.max(-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[..., None])
+    norm = norm * alpha + p.sum(-1)
+    acc = acc * alpha[..., None] + jnp.einsum("bkgs,bskd->bkgd", p, vb.astype(jnp.float32))
+    return m_new, norm, acc
+
+  m, norm, acc = jax.lax.fori_loop(0, n_blocks, visit, (m, norm, acc))
+  ctx = acc / norm[..., None]
+  return ctx.reshape(b, t, h, d).astype(q.dtype)
+
+
+# Decode attention implementations (``rollout.decode_attention``).
+DECODE_ATTENTION = ("blocked", "dense")
+
+
 class Attention(nn.Module):
   """Grouped-query causal self-attention with optional KV-cache read/write."""
 
@@ -119,6 +184,10 @@ class Attention(nn.Module):
   # Decode only: return the new k/v instead of an updated cache (see
   # Transformer.__call__'s ``defer_cache_write``).
   defer_cache_write: bool = False
+  # Without a cache: also return this call's k/v (batched prefill).
+  collect_kv: bool = False
+  decode_attention: str = "blocked"
+  attention_block: int = 128
 
   @nn.compact
   def __call__(
@@ -127,6 +196,7 @@ class Attention(nn.Module):
       positions: jax.Array,
       mask: jax.Array | None,
       layer_cache: tuple[jax.Array, jax.Array] | None,
+      cache_rows: jax.Array | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     cfg = self.cfg
     dtype = cfg.jnp_dtype
@@ -155,9 +225,17 @@ class Attention(nn.Module):
     new_cache = None
     if layer_cache is None:
       ctx = _attend(q, k, v, mask)
+      if self.collect_kv:
+        new_cache = (k, v)
     elif self.defer_cache_write:
       ck, cv = layer_cache
-      ctx = _attend_cache_and_self(q, k, v, ck, cv, positions)
+      if self.decode_attention == "blocked":
+        ctx = _attend_cache_and_self_blocked(q, k, v, ck, cv, positions, cache_rows,
+                                             self.attention_block)
+      else:
+        if cache_rows is not None:  # whole rows gathered: the cost the blocked path avoids
+          ck, cv = ck[cache_rows], cv[cache_rows]
+        ctx = _attend_cache_and_self(q, k, v, ck, cv, positions)
       new_cache = (k.astype(ck.dtype), v.astype(cv.dtype))
     else:
       ck, cv = layer_cache  # [B,S,Hkv,D]
@@ -214,12 +292,16 @@ class Block(nn.Module):
 
   cfg: ModelConfig
   defer_cache_write: bool = False
+  collect_kv: bool = False
+  decode_attention: str = "blocked"
+  attention_block: int = 128
 
   @nn.compact
-  def __call__(self, x, positions, mask, layer_cache):
-    h, new_cache = Attention(self.cfg, self.defer_cache_write, name="attn")(
-        _rms_norm(self.cfg, "attn_norm")(x), positions, mask, layer_cache
-    )
+  def __call__(self, x, positions, mask, layer_cache, cache_rows=None):
+    h, new_cache = Attention(
+        self.cfg, self.defer_cache_write, self.collect_kv, self.decode_attention,
+        self.attention_block, name="attn",
+    )(_rms_norm(self.cfg, "attn_norm")(x), positions, mask, layer_cache, cache_rows)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(_rms_norm(self.cfg, "mlp_norm")(x))
     return x, new_cache
@@ -241,6 +323,10 @@ class Transformer(nn.Module):
 
   cfg: ModelConfig
   remat: str = "none"
+  # Rollout only: how a decode token reads the cache (``DECODE_ATTENTION``)
+  # and the block size of the blocked path.
+  decode_attention: str = "blocked"
+  attention_block: int = 128
 
   @nn.compact
   def __call__(
@@ -251,6 +337,8 @@ class Transformer(nn.Module):
       attention_mask: jax.Array | None = None,
       defer_cache_write: bool = False,
       return_hidden: bool = False,
+      cache_rows: jax.Array | None = None,
+      collect_kv: bool = False,
   ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Runs the model.
 
@@ -278,6 +366,12 @@ class Transformer(nn.Module):
         are the largest tensor of a step: the learner computes log-probs
         from the hidden states in chunks (``jax_dora.model.logits``) and
         prefill only needs the last position.
+      cache_rows: with ``defer_cache_write``: ``[B]`` rows of ``kv_cache``
+        the ``B`` tokens belong to (the cache keeps every slot; a DORA pass
+        decodes one version's rows). Without it row ``b`` is token ``b``.
+      collect_kv: without a cache: also return this call's keys/values
+        ``[L,B,T,Hkv,D]`` (prefill computes attention within the prompt and
+        the engine writes only these entries into the slots' cache).
 
     Returns:
       float32 ``logits[B,T,V]`` (or the hidden states), plus the updated
@@ -302,6 +396,12 @@ class Transformer(nn.Module):
       mask = None
     if defer_cache_write and (kv_cache is None or t != 1):
       raise ValueError("defer_cache_write needs a kv_cache and one token per row (decode)")
+    if cache_rows is not None and not defer_cache_write:
+      raise ValueError("cache_rows is only supported with defer_cache_write (decode)")
+    if collect_kv and kv_cache is not None:
+      raise ValueError("collect_kv is for cache-free prefill; with a cache the entries are written")
+    if self.decode_attention not in DECODE_ATTENTION:
+      raise ValueError(f"decode_attention={self.decode_attention!r} is not one of {DECODE_ATTENTION}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
 
@@ -323,7 +423,9 @@ class Transformer(nn.Module):
     new_k, new_v = [], []
     for i in range(cfg.n_layers):
       layer_cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-      x, nc = block_cls(cfg, defer_cache_write, name=f"layers_{i}")(x, positions, mask, layer_cache)
+      x, nc = block_cls(cfg, defer_cache_write, collect_kv, self.decode_attention,
+                        self.attention_block, name=f"layers_{i}")(
+                            x, positions, mask, layer_cache, cache_rows)
       if nc is not None:
         new_k.append(nc[0])
         new_v.append(nc[1])
@@ -345,6 +447,6 @@ class Transformer(nn.Module):
           name="lm_head",
       )(x.astype(jnp.float32))
 
-    if kv_cache is None:
+    if kv_cache is None and not collect_kv:
       return out
     return out, KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))

@@ -47,6 +47,7 @@ from jetstream.engine import engine_api
 from jetstream.engine import tokenizer_pb2
 
 from jax_dora.model import (
+    DECODE_ATTENTION,
     KVCache,
     ModelConfig,
     Transformer,
@@ -150,6 +151,27 @@ class DoraResultTokens(engine_api.ResultTokens):
     return self.logprobs[start:start + self.samples_per_slot, 0]
 
 
+@dataclasses.dataclass
+class PrefillWork:
+  """What one admission round's prefill computed (prefix-sharing metrics).
+
+  ``requested_tokens``: context tokens of every admitted request;
+  ``computed_tokens``: of the distinct contexts actually run (equal without
+  sharing; about ``1/G`` of requested with GRPO groups of G);
+  ``padded_tokens``: including bucket padding (the device work).
+  """
+
+  requests: int = 0
+  requested_tokens: int = 0
+  computed_tokens: int = 0
+  padded_tokens: int = 0
+  calls: int = 0
+
+  def add(self, other: "PrefillWork") -> None:
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
 def prefill_buckets(max_prefill_length: int, max_seq_len: int) -> tuple[int, ...]:
   """Padded prefill lengths: ``max_prefill_length`` doubling up to ``max_seq_len``.
 
@@ -179,6 +201,10 @@ class DoraEngine(engine_api.Engine):
       top_p: float = 1.0,
       seed: int = 0,
       tensor_parallel: int = 1,
+      decode_attention: str = "blocked",
+      attention_block: int = 128,
+      prefill_batch_tokens: int = 4096,
+      share_prompt_prefill: bool = True,
   ):
     if num_slots < 1:
       raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -190,9 +216,18 @@ class DoraEngine(engine_api.Engine):
       raise ValueError(
           f"max_prefill_length={max_prefill_length} > max_seq_len={model_cfg.max_seq_len}"
       )
+    if decode_attention not in DECODE_ATTENTION:
+      raise ValueError(f"decode_attention={decode_attention!r} is not one of {DECODE_ATTENTION}")
+    if attention_block < 1 or prefill_batch_tokens < 1:
+      raise ValueError(f"attention_block={attention_block} and prefill_batch_tokens="
+                       f"{prefill_batch_tokens} must be >= 1")
     self.model_cfg = model_cfg
     self.tokenizer = tokenizer
-    self.model = Transformer(model_cfg)
+    self.model = Transformer(model_cfg, decode_attention=decode_attention,
+                             attention_block=int(attention_block))
+    self.decode_attention = decode_attention
+    self.share_prompt_prefill = bool(share_prompt_prefill)
+    self._prefill_batch_tokens = int(prefill_batch_tokens)
     self.temperature = float(temperature)
     self.top_p = float(top_p)
     # The tokenizer decides which ids may never be sampled (PAD, BOS, non-stop
@@ -260,8 +295,8 @@ class DoraEngine(engine_api.Engine):
         self._insert_impl, donate_argnums=(1,), out_shardings=self._state_sharding
     )
     st = self._state_sharding
-    self._prefill_insert_fn = jax.jit(
-        self._prefill_insert_impl, donate_argnums=(1,),
+    self._prefill_batch_fn = jax.jit(
+        self._prefill_batch_impl, donate_argnums=(1,),
         out_shardings=(st, self.replicated),
     )
     result_sharding = (st, self.replicated, self.replicated)
@@ -321,9 +356,13 @@ class DoraEngine(engine_api.Engine):
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, self._state_sharding)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self.replicated)
     i32 = np.int32(0)
-    for b in self.buckets:
-      tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
-      self._prefill_insert_fn.lower(params, state, tokens, i32, i32, key, np.uint32(0), i32).compile()
+    n = jax.ShapeDtypeStruct((self._num_slots,), jnp.int32)
+    counts = jax.ShapeDtypeStruct((self._num_slots,), jnp.uint32)
+    for t in self.buckets:
+      for u in self.prefill_rows(t):
+        tokens = jax.ShapeDtypeStruct((u, t), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((u,), jnp.int32)
+        self._prefill_batch_fn.lower(params, state, tokens, lengths, n, n, counts, i32, key).compile()
     self._single_fn.lower(params, state, i32).compile()
     for k in range(2, int(max_versions) + 1):
       self._multi_fn.lower((params,) * k, state, np.arange(k, dtype=np.int32)).compile()
@@ -402,49 +441,150 @@ class DoraEngine(engine_api.Engine):
         params, cache, tokens, jnp.int32(offset), jnp.int32(true_length), jnp.int32(version), rng
     )
 
-  def _prefill_insert_impl(self, params, state, tokens, true_length, version, base_key, count, slot):
-    # The key is derived in-jit: an eager fold_in per request is a device
-    # dispatch of its own.
-    rng = jax.random.fold_in(base_key, count)
-    prefix = self._prefill_impl(
-        params, KVCache.zeros(self.model_cfg, 1), tokens, jnp.int32(0), true_length, version, rng
+  # ------------------------------------------------------- batched prefill
+  def prefill_rows(self, length: int) -> tuple[int, ...]:
+    """Row buckets of a batched prefill at padded length ``length``.
+
+    Powers of two up to the slots, capped so one call holds at most
+    ``prefill_batch_tokens`` tokens (a long resumed context prefills alone
+    rather than padding a batch of short prompts to its length).
+    """
+    cap = max(1, min(self._num_slots, self._prefill_batch_tokens // max(1, int(length))))
+    out, u = [], 1
+    while u < cap:
+      out.append(u)
+      u *= 2
+    out.append(cap)
+    return tuple(sorted(set(out)))
+
+  def _prefill_batch_impl(self, params, state, tokens, true_lengths, src, slots, counts, version,
+                          base_key):
+    """Prefills ``U`` distinct contexts once and inserts them into ``N`` slots.
+
+    ``tokens[U,T]`` / ``true_lengths[U]``: the distinct contexts, right-padded.
+    ``src[N]``: which context slot ``slots[N]`` receives (a GRPO group's G
+    members share one context: its prompt is computed once and its KV
+    entries copied G times). Padding entries carry ``slots = num_slots`` and
+    are dropped. Each slot samples its own first token with its own key
+    (``fold_in(base_key, counts[i])``), so group members diverge from the
+    first token and a request's randomness does not depend on what it was
+    batched with. Attention runs within each context (no cache read), and
+    only the ``T`` written positions of each slot's cache row are touched,
+    so prefill costs the prompt, not ``max_seq_len``.
+    """
+    u, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (u, t))
+    hidden, kv = self.model.apply(
+        {"params": params}, tokens, positions, collect_kv=True, return_hidden=True)
+    # Only each context's last real position is sampled from: [U, V], not [U, T, V].
+    last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits = last.astype(jnp.float32) @ head_weight(self.model_cfg, params).astype(jnp.float32)
+    keys = jax.vmap(lambda c: jax.random.fold_in(base_key, c))(counts)
+    tok, logp = jax.vmap(
+        lambda lg, key: sample_tokens(lg[None], key, self.temperature, self.top_p,
+                                      self.suppress_mask))(logits[src], keys)
+    tok, logp = tok[:, 0], logp[:, 0]
+    at_slot, at_pos = slots[:, None], jnp.arange(t, dtype=jnp.int32)[None, :]
+    cache = KVCache(
+        k=state.cache.k.at[:, at_slot, at_pos].set(kv.k[:, src].astype(state.cache.k.dtype), mode="drop"),
+        v=state.cache.v.at[:, at_slot, at_pos].set(kv.v[:, src].astype(state.cache.v.dtype), mode="drop"),
     )
-    first = jnp.stack([prefix.token.astype(jnp.float32), prefix.logprob])
-    return self._insert_impl(prefix, state, slot), first
+    new_state = state.replace(
+        cache=cache,
+        tokens=state.tokens.at[slots].set(tok, mode="drop"),
+        positions=state.positions.at[slots].set(true_lengths[src], mode="drop"),
+        lengths=state.lengths.at[slots].set(1, mode="drop"),
+        version=state.version.at[slots].set(version, mode="drop"),
+        active=state.active.at[slots].set(True, mode="drop"),
+    )
+    return new_state, jnp.stack([tok.astype(jnp.float32), logp], axis=1)
+
+  def prefill_insert_batch_async(
+      self, params: Params, version: int, contexts: Sequence[np.ndarray], slots: Sequence[int],
+      decode_state: DecodeState,
+  ) -> tuple[DecodeState, list[tuple[jax.Array, int]], PrefillWork]:
+    """Prefills ``contexts[i]`` into ``slots[i]`` (all on ``version``), batched.
+
+    One admission round becomes a few device calls: contexts are grouped by
+    padded length bucket, identical contexts (a GRPO group's G members) are
+    computed once when ``share_prompt_prefill`` is on, and each call holds up
+    to ``prefill_rows`` distinct contexts. Nothing is read back: returns the
+    new state (``decode_state`` is donated), ``firsts`` where request ``i``'s
+    first ``(token, logprob)`` is row ``firsts[i][1]`` of device array
+    ``firsts[i][0]``, and the prefill work done (for metrics).
+    """
+    if len(contexts) != len(slots):
+      raise ValueError(f"{len(contexts)} contexts for {len(slots)} slots")
+    if len(set(int(s) for s in slots)) != len(slots):
+      raise ValueError(f"slots {list(slots)} repeat")
+    ctxs = [np.asarray(c, np.int32).reshape(-1) for c in contexts]
+    for slot, c in zip(slots, ctxs):
+      if not 0 <= int(slot) < self._num_slots:
+        raise ValueError(f"slot {slot} out of range [0, {self._num_slots})")
+      if not 0 < len(c) <= self.model_cfg.max_seq_len:
+        raise ValueError(f"context of {len(c)} tokens not in (0, {self.model_cfg.max_seq_len}]")
+    # Distinct contexts, each with the requests that use it, per length bucket.
+    distinct: dict[bytes | int, tuple[np.ndarray, list[int]]] = {}
+    for i, c in enumerate(ctxs):
+      key = c.tobytes() if self.share_prompt_prefill else i
+      distinct.setdefault(key, (c, []))[1].append(i)
+    by_bucket: dict[int, list[tuple[np.ndarray, list[int]]]] = {}
+    for c, users in distinct.values():
+      by_bucket.setdefault(self._bucket(len(c)), []).append((c, users))
+    firsts: list[tuple[jax.Array, int] | None] = [None] * len(ctxs)
+    work = PrefillWork(requests=len(ctxs), requested_tokens=sum(len(c) for c in ctxs))
+    state = decode_state
+    for t, entries in sorted(by_bucket.items()):
+      cap = self.prefill_rows(t)[-1]
+      for lo in range(0, len(entries), cap):
+        chunk = entries[lo:lo + cap]
+        u = next(r for r in self.prefill_rows(t) if r >= len(chunk))
+        tokens = np.full((u, t), self.tokenizer.pad_id, np.int32)
+        lengths = np.ones((u,), np.int32)
+        src = np.zeros((self._num_slots,), np.int32)
+        dst = np.full((self._num_slots,), self._num_slots, np.int32)  # out of range = dropped
+        counts = np.zeros((self._num_slots,), np.uint32)
+        row = 0
+        for j, (c, users) in enumerate(chunk):
+          tokens[j, :len(c)] = c
+          lengths[j] = len(c)
+          for i in users:
+            src[row], dst[row], counts[row] = j, int(slots[i]), self._next_prefill_count()
+            firsts[i] = row
+            row += 1
+        state, out = self._prefill_batch_fn(
+            params, state, tokens, lengths, src, dst, counts, np.int32(version), self._base_key)
+        for _, users in chunk:
+          for i in users:
+            firsts[i] = (out, firsts[i])
+        work.calls += 1
+        work.computed_tokens += sum(len(c) for c, _ in chunk)
+        work.padded_tokens += u * t
+    return state, firsts, work
 
   def prefill_insert(
       self, params: Params, version: int, padded_tokens: np.ndarray, true_length: int,
       decode_state: DecodeState, slot: int,
   ) -> tuple[DecodeState, int, float]:
-    """:meth:`prefill` (fresh cache) + :meth:`insert` in one device call.
+    """One request's :meth:`prefill_insert_batch_async`, read back.
 
-    Same result as the two calls (same rng stream); returns the new state
-    (``decode_state`` is donated) and the first token and its log-prob.
+    Returns the new state (``decode_state`` is donated) and the first token
+    and its log-prob.
     """
-    state, first = self.prefill_insert_async(
-        params, version, padded_tokens, true_length, decode_state, slot)
-    tok, lp = np.asarray(first)
-    return state, int(tok), float(lp)
-
-  def prefill_insert_async(
-      self, params: Params, version: int, padded_tokens: np.ndarray, true_length: int,
-      decode_state: DecodeState, slot: int,
-  ) -> tuple[DecodeState, jax.Array]:
-    """:meth:`prefill_insert` without waiting: the first token stays on device.
-
-    Returns the new state and a ``[2]`` device array ``(token, logprob)``.
-    A driver admitting several requests dispatches them all and reads every
-    first token in one transfer, instead of one host sync per request.
-    """
-    if not 0 <= slot < self._num_slots:
-      raise ValueError(f"slot {slot} out of range [0, {self._num_slots})")
     tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
     if not 0 < true_length <= tokens.shape[0]:
       raise ValueError(f"true_length={true_length} not in (0, {tokens.shape[0]}]")
-    return self._prefill_insert_fn(
-        params, decode_state, tokens, np.int32(true_length), np.int32(version),
-        self._base_key, np.uint32(self._next_prefill_count()), np.int32(slot),
-    )
+    state, firsts, _ = self.prefill_insert_batch_async(
+        params, version, [tokens[:true_length]], [slot], decode_state)
+    out, row = firsts[0]
+    tok, lp = np.asarray(out)[row]
+    return state, int(tok), float(lp)
+
+  def _bucket(self, n: int) -> int:
+    for b in self.buckets:
+      if n <= b:
+        return b
+    raise ValueError(f"{n} tokens exceed max_seq_len={self.model_cfg.max_seq_len}")
 
   def pad_tokens(self, tokens: np.ndarray) -> tuple[np.ndarray, int]:
     """Right-pads ``tokens`` with PAD to the smallest bucket that fits."""
@@ -524,10 +664,11 @@ class DoraEngine(engine_api.Engine):
     mine = state.active & (state.version == version)
     idx = jnp.nonzero(mine, size=size, fill_value=b)[0]  # b = padding
     rows = jnp.minimum(idx, b - 1)
-    sub_cache = KVCache(k=state.cache.k[:, rows], v=state.cache.v[:, rows])
+    # The full cache goes in with the row indices: attention reads only those
+    # rows' live blocks instead of a gathered copy of whole rows.
     logits, new = self.model.apply(
         {"params": params}, state.tokens[rows][:, None], state.positions[rows][:, None],
-        kv_cache=sub_cache, defer_cache_write=True,
+        kv_cache=state.cache, defer_cache_write=True, cache_rows=rows,
     )
     tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p, self.suppress_mask)
     acc_new = KVCache(
