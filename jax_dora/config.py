@@ -186,6 +186,17 @@ def base_config() -> ml_collections.ConfigDict:
           # Devices of one server that split the model (heads, MLP, vocab) for
           # tensor parallelism; the server's other devices split the slots.
           tensor_parallel=1,
+          # Decode attention: "blocked" reads only the KV-cache blocks below
+          # the longest live row (cost follows what was generated, not
+          # model.max_seq_len); "dense" scores the whole cache (the old path,
+          # marginally faster for tiny caches). attention_block: block size.
+          decode_attention="blocked",
+          attention_block=128,
+          # One admission round is one batched prefill of up to this many
+          # (padded) tokens per device call; share_prompt_prefill computes the
+          # identical prompts of a GRPO group once and copies their KV entries.
+          prefill_batch_tokens=4096,
+          share_prompt_prefill=True,
           # Dtype the servers hold the policy in ("" = model.param_dtype):
           # bfloat16 halves rollout memory; snapshots are cast on restore.
           param_dtype="",
@@ -360,6 +371,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError("config.learner.group_size must be >= 2 for GRPO advantages")
   if c.orchestrator.max_staleness < 0:
     raise ConfigError("config.orchestrator.max_staleness must be >= 0")
+  if c.rollout.decode_attention not in ("blocked", "dense"):
+    raise ConfigError(f"config.rollout.decode_attention={c.rollout.decode_attention!r} is not one"
+                      " of ('blocked', 'dense')")
+  if c.rollout.attention_block < 1 or c.rollout.prefill_batch_tokens < 1:
+    raise ConfigError("config.rollout.attention_block and prefill_batch_tokens must be >= 1")
   if c.rollout.max_versions < 1:
     raise ConfigError("config.rollout.max_versions must be >= 1")
   need = c.rollout.max_prefill_length + c.rollout.max_new_tokens

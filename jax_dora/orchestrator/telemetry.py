@@ -35,13 +35,19 @@ class RolloutTelemetry:
   ``rollout_idle_ratio`` = 1 - busy share of the servers' wall time;
   ``decode_passes_per_step`` = live versions per decode step (1.0 = no
   multi-version overhead; each extra held-and-pinned version costs a pass).
+  ``prefill_tokens`` / ``prefill_tokens_computed``: context tokens admitted
+  and actually computed (group prefix sharing makes the second smaller);
+  ``reprefill_tokens``: the resumed part of contexts, i.e. completions of
+  interrupted rollouts prefilled again (AReaL-style interruption pays this
+  after every publish, DORA does not).
   """
 
   def __init__(self):
-    self._last: dict[str, tuple[float, float, int, int]] = {}
+    self._last: dict[str, tuple[float, float, int, int, int, int, int]] = {}
 
   async def sample(self, clients: Sequence[Any]) -> dict[str, float | None]:
     ratios, steps, passes = [], 0, 0
+    prefill = [0, 0, 0]
     for c in clients:
       try:
         st = await c.status()
@@ -49,12 +55,19 @@ class RolloutTelemetry:
         continue
       now = time.time()
       prev = self._last.get(c.name)
-      self._last[c.name] = (now, st.busy_time_s, st.decode_steps, st.decode_passes)
+      cur = (now, st.busy_time_s, st.decode_steps, st.decode_passes,
+             st.prefill_requested_tokens, st.prefill_computed_tokens, st.resumed_prefill_tokens)
+      self._last[c.name] = cur
       if prev is not None and now > prev[0]:
         ratios.append(1.0 - min(1.0, (st.busy_time_s - prev[1]) / (now - prev[0])))
         steps += st.decode_steps - prev[2]
         passes += st.decode_passes - prev[3]
+        for i in range(3):
+          prefill[i] += max(0, cur[4 + i] - prev[4 + i])  # a restarted server starts at 0
     return {
         "rollout_idle_ratio": sum(ratios) / len(ratios) if ratios else None,
         "decode_passes_per_step": passes / steps if steps else None,
+        "prefill_tokens": prefill[0],
+        "prefill_tokens_computed": prefill[1],
+        "reprefill_tokens": prefill[2],
     }

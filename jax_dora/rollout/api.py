@@ -106,6 +106,12 @@ class ServerStatus:
   # decode_passes / decode_steps is the multi-version overhead factor.
   decode_passes: int = 0
   incarnation: str = ""  # run incarnation of the held versions ("" = none yet)
+  # Prefill since start: context tokens of admitted requests, tokens actually
+  # computed (less with group prefix sharing), and the resumed part of
+  # contexts (an interrupted rollout's completion, prefilled again).
+  prefill_requested_tokens: int = 0
+  prefill_computed_tokens: int = 0
+  resumed_prefill_tokens: int = 0
 
 
 def health_reply(name: str, instance: str, status: ServerStatus) -> dict:

@@ -17,6 +17,15 @@ caller of :meth:`RolloutDriver.load_version` (so file I/O never stalls
 decoding), except for a *pending* version, which the loop loads itself once
 room frees up.
 
+The hot path is asynchronous: an admission round is one batched prefill
+(identical prompts of a GRPO group computed once), the decode step for
+step ``t+1`` is dispatched before step ``t``'s tokens are read, so the host
+records tokens, checks stop conditions and streams chunks while the device
+computes; tokens land in per-slot numpy buffers with vectorised updates, so
+no Python loop runs per slot per token. The price is one extra decode step
+for a slot that just finished (its token is discarded): a step's results
+only count for slots whose occupant is still the one it was dispatched for.
+
 Every request ends with exactly one terminal callback: a
 :class:`~jax_dora.rollout.api.RolloutResult` (``eos`` / ``length`` /
 ``aborted``) or a :class:`~jax_dora.rollout.api.RolloutError`. Nothing is
@@ -37,7 +46,7 @@ import jax
 import numpy as np
 
 from jax_dora.rollout import api
-from jax_dora.rollout.engine import DoraEngine, MultiVersionParams
+from jax_dora.rollout.engine import DoraEngine, MultiVersionParams, PrefillWork
 from jax_dora.rollout.version_store import LoadDecision, VersionStore
 from jax_dora.snapshots import SnapshotReader
 from jax_dora.types import TokenSpan
@@ -57,17 +66,35 @@ class _Queued:
 
 @dataclasses.dataclass
 class _Active:
-  """Host-side record of a request occupying a decode slot."""
+  """Host-side record of a request occupying a decode slot.
+
+  Its tokens live in the driver's per-slot buffers (row ``slot``), which the
+  step results update for all slots at once.
+  """
 
   request: api.RolloutRequest
   callback: Callback
   version: int
+  slot: int
   context_len: int  # prompt + resume prefix (tokens in the cache before new ones)
   budget: int  # new tokens this span may still produce (max_new_tokens and cache)
   stream: bool = True  # send RolloutChunks (False: only the terminal item)
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
   sent: int = 0  # tokens already streamed in chunks
+
+
+@dataclasses.dataclass
+class _Step:
+  """A dispatched decode step whose tokens are not read yet.
+
+  ``owners``: the slot occupants' ids at dispatch (-1 = empty); a result row
+  counts only while the slot still holds that occupant. ``firsts``: first
+  tokens of the requests admitted just before this step, recorded first.
+  """
+
+  result: object
+  owners: np.ndarray
+  firsts: list[tuple[int, int, jax.Array, int]]  # (slot, owner id, device array, row)
+  dispatched_at: float
 
 
 def _resume_parts(req: api.RolloutRequest) -> tuple[np.ndarray, np.ndarray, tuple[TokenSpan, ...]]:
@@ -129,6 +156,20 @@ class RolloutDriver:
     # several: Llama 3 Instruct's <|eot_id|> besides <|end_of_text|>).
     self.stop_ids = frozenset(int(t) for t in engine.tokenizer.stop_tokens) if stop_on_eos else frozenset()
     self.num_slots = engine.max_concurrent_decodes
+    # Per-slot token buffers and stop conditions, updated vectorised per step.
+    width = engine.max_seq_len
+    self._tok_buf = np.zeros((self.num_slots, width), np.int32)
+    self._lp_buf = np.zeros((self.num_slots, width), np.float32)
+    self._count = np.zeros((self.num_slots,), np.int64)
+    self._budget = np.zeros((self.num_slots,), np.int64)
+    self._ignore_eos = np.zeros((self.num_slots,), bool)
+    self._owner = np.full((self.num_slots,), -1, np.int64)
+    self._next_owner = 0
+    self._stop_arr = np.asarray(sorted(self.stop_ids), np.int32)
+    self._pending_step: _Step | None = None
+    self._device_free_at = 0.0
+    self.prefill_work = PrefillWork()
+    self._resumed_prefill_tokens = 0
 
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
@@ -249,6 +290,9 @@ class RolloutDriver:
           busy_time_s=self._busy_s,
           decode_steps=self._steps,
           decode_passes=self._passes,
+          prefill_requested_tokens=self.prefill_work.requested_tokens,
+          prefill_computed_tokens=self.prefill_work.computed_tokens,
+          resumed_prefill_tokens=self._resumed_prefill_tokens,
       )
 
   def stop(self, timeout_s: float = 30.0) -> None:
@@ -320,11 +364,14 @@ class RolloutDriver:
           self._retire_incarnation(switch)
         self._handle_aborts(aborts)
         self._maybe_load_pending()
-        self._admit()
+        firsts = self._admit()
         self._free_unfilled()
-        if any(s is not None for s in self._slots):
-          self._step()
-        else:
+        step = self._dispatch(firsts) if (self._owner >= 0).any() else None
+        # Step t's tokens are read while the device runs step t + 1.
+        previous, self._pending_step = self._pending_step, step
+        if previous is not None:
+          self._record(previous)
+        elif step is None:
           # Work is queued but cannot be admitted yet (a version is loading
           # in another thread): wait for its notify instead of spinning.
           with self._lock:
@@ -338,7 +385,8 @@ class RolloutDriver:
     self._fail_all(f"{self.name}: driver stopped")
 
   def _has_work_locked(self) -> bool:
-    if self._aborts or self._switch_to is not None or any(s is not None for s in self._slots):
+    if (self._aborts or self._switch_to is not None or self._pending_step is not None
+        or any(s is not None for s in self._slots)):
       return True
     return bool(self._queue) and (self.store.admitting or self.store.pending is not None)
 
@@ -350,7 +398,7 @@ class RolloutDriver:
     active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
     ids = tuple([s.request.request_id for _, s in active] + [q.request.request_id for q in queued])
     for i, s in active:
-      self._slots[i] = None
+      self._vacate(i)
       self.store.release(s.version)
       self._safe_call(s.callback, api.RolloutError(message, ids))
     for q in queued:
@@ -365,8 +413,7 @@ class RolloutDriver:
     failed = 0
     for i, s in enumerate(self._slots):
       if s is not None:
-        self._slots[i] = None
-        self._to_free.add(i)
+        self._vacate(i)
         failed += 1
         self._safe_call(s.callback, api.IncarnationMismatchError(why, (s.request.request_id,)))
     with self._lock:
@@ -405,32 +452,44 @@ class RolloutDriver:
         self._finish(i, "aborted")
 
   # ------------------------------------------------------------- admission
-  def _admit(self) -> None:
-    """Fills free slots from the queue (prefill on the newest version).
+  def _admit(self) -> list[tuple[int, int, jax.Array, int]]:
+    """Fills free slots from the queue: one batched prefill per version.
 
-    Every prefill is dispatched first and the first tokens are read back in
-    one transfer afterwards: one host sync per admission round rather than
-    per request (admissions are frequent under long-tailed lengths).
+    Requests of one round that share a context (a GRPO group's members) are
+    prefilled once (``DoraEngine.prefill_insert_batch_async``). Nothing is
+    read back here: the first tokens are recorded with the next step's
+    results, so admission never waits for the device.
     """
-    firsts: list[tuple[int, jax.Array]] = []
-    while True:
-      free = [i for i, s in enumerate(self._slots) if s is None]
-      if not free or not self.store.admitting:
-        break
+    free = [i for i, s in enumerate(self._slots) if s is None]
+    by_version: dict[int, list[tuple[_Queued, int, np.ndarray, int]]] = {}
+    while free and self.store.admitting:
       with self._lock:
         if not self._queue:
           break
         q = self._queue.popleft()
-      first = self._admit_one(free[0], q)
-      if first is not None:
-        firsts.append((free[0], first))
-    if firsts:
-      values = jax.device_get([f for _, f in firsts])
-      for (slot, _), (tok, lp) in zip(firsts, values):
-        self._append(slot, int(tok), float(lp))
+      prepared = self._prepare(q)
+      if prepared is not None:
+        version, context, budget = prepared
+        by_version.setdefault(version, []).append((q, free.pop(0), context, budget))
+    firsts = []
+    for version, entries in by_version.items():
+      t0 = time.perf_counter()
+      self._state, out, work = self.engine.prefill_insert_batch_async(
+          self.store.params(version), version, [e[2] for e in entries], [e[1] for e in entries],
+          self._state)
+      self._busy_s += time.perf_counter() - t0
+      self.prefill_work.add(work)
+      for (q, slot, context, budget), (arr, row) in zip(entries, out):
+        owner = self._occupy(slot, _Active(q.request, q.callback, version, slot,
+                                           context_len=len(context), budget=budget,
+                                           stream=q.stream))
+        self._resumed_prefill_tokens += len(context) - len(q.request.prompt_tokens)
+        firsts.append((slot, owner, arr, row))
+    return firsts
 
-  def _admit_one(self, slot: int, q: _Queued) -> jax.Array | None:
-    """Prefills ``q`` into ``slot``; returns its first (token, logprob) on device."""
+  def _prepare(self, q: _Queued) -> tuple[int, np.ndarray, int] | None:
+    """Validates ``q`` and pins its version: ``(version, context, budget)``, or
+    ``None`` after answering the request (refused, or nothing left to do)."""
     req = q.request
     if req.incarnation and req.incarnation != self._incarnation:
       self._safe_call(q.callback, api.IncarnationMismatchError(
@@ -463,14 +522,21 @@ class RolloutDriver:
           req.request_id, resume, resume_lps, spans, "length", prefill_version=version,
           incarnation=self._incarnation or ""))
       return None
-    t0 = time.perf_counter()
-    padded, n = self.engine.pad_tokens(context)
-    self._state, first = self.engine.prefill_insert_async(
-        self.store.params(version), version, padded, n, self._state, slot)
-    self._busy_s += time.perf_counter() - t0
-    act = _Active(req, q.callback, version, context_len=len(context), budget=budget, stream=q.stream)
+    return version, context, budget
+
+  def _occupy(self, slot: int, act: _Active) -> int:
+    self._next_owner += 1
     self._slots[slot] = act
-    return first
+    self._owner[slot] = self._next_owner
+    self._count[slot] = 0
+    self._budget[slot] = act.budget
+    self._ignore_eos[slot] = bool(act.request.ignore_eos)
+    return self._next_owner
+
+  def _vacate(self, slot: int) -> None:
+    self._slots[slot] = None
+    self._owner[slot] = -1
+    self._to_free.add(slot)
 
   def _free_unfilled(self) -> None:
     """Deactivates finished slots that admission did not refill.
@@ -484,60 +550,85 @@ class RolloutDriver:
     self._to_free.clear()
 
   # ------------------------------------------------------------------ decode
-  def _append(self, slot: int, token: int, logprob: float) -> None:
-    """Records one new token; finishes the slot on EOS / budget."""
-    s = self._slots[slot]
-    s.tokens.append(token)
-    s.logprobs.append(logprob)
-    self._generated += 1
-    if token in self.stop_ids and not s.request.ignore_eos:
-      self._finish(slot, "eos")
-    elif len(s.tokens) >= s.budget:
-      self._finish(slot, "length")
-
-  def _step(self) -> None:
+  def _dispatch(self, firsts: list[tuple[int, int, jax.Array, int]]) -> _Step:
+    """Launches one decode step (every live version) without waiting for it."""
     live = tuple(sorted({s.version for s in self._slots if s is not None}))
     params = MultiVersionParams({v: self.store.params(v) for v in live}, live)
-    t0 = time.perf_counter()
+    now = time.perf_counter()
     self._state, result = self.engine.generate(params, self._state)
-    result = result.convert_to_numpy()
-    self._busy_s += time.perf_counter() - t0
+    result.copy_to_host_async()
     self._steps += 1
     self._passes += len(live)
-    for i, s in enumerate(self._slots):
-      if s is None:
-        continue
-      self._append(i, int(result.data[i, 0]), float(result.logprobs[i, 0]))
+    return _Step(result, self._owner.copy(), firsts, now)
+
+  def _record(self, step: _Step) -> None:
+    """Records a finished step: admitted requests' first tokens, then every
+    still-occupied slot's new token; finishes slots on a stop token or budget."""
+    if step.firsts:
+      arrays = {id(arr): arr for _, _, arr, _ in step.firsts}
+      host = dict(zip(arrays, jax.device_get(list(arrays.values()))))
+      slots = np.asarray([f[0] for f in step.firsts])
+      keep = self._owner[slots] == np.asarray([f[1] for f in step.firsts])
+      values = np.stack([host[id(arr)][row] for _, _, arr, row in step.firsts])
+      self._append(slots[keep], values[keep, 0].astype(np.int32), values[keep, 1])
+    data = np.asarray(step.result.data)
+    logprobs = np.asarray(step.result.logprobs)[:, 0]
+    ready = time.perf_counter()
+    # Device time: from dispatch (or the end of the previous step, if it was
+    # still running) until the results were ready.
+    self._busy_s += max(0.0, ready - max(step.dispatched_at, self._device_free_at))
+    self._device_free_at = ready
+    rows = np.flatnonzero((step.owners >= 0) & (step.owners == self._owner))
+    self._append(rows, data[rows, 0], logprobs[rows])
     if self._steps % self.chunk_steps == 0:
       for s in self._slots:
         if s is not None:
           self._flush(s)
 
+  def _append(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+    """Appends one token to each slot in ``rows``; finishes slots on EOS / budget."""
+    if rows.size == 0:
+      return
+    n = self._count[rows]
+    self._tok_buf[rows, n] = tokens
+    self._lp_buf[rows, n] = logprobs
+    self._count[rows] = n + 1
+    self._generated += int(rows.size)
+    eos = np.isin(tokens, self._stop_arr) & ~self._ignore_eos[rows]
+    full = self._count[rows] >= self._budget[rows]
+    for slot, is_eos in zip(rows[eos | full], eos[eos | full]):
+      self._finish(int(slot), "eos" if is_eos else "length")
+
+  def _tokens(self, s: _Active) -> tuple[np.ndarray, np.ndarray]:
+    n = int(self._count[s.slot])
+    return self._tok_buf[s.slot, :n].copy(), self._lp_buf[s.slot, :n].copy()
+
   def _flush(self, s: _Active) -> None:
-    if s.stream and s.sent < len(s.tokens):
+    n = int(self._count[s.slot])
+    if s.stream and s.sent < n:
       chunk = api.RolloutChunk(
           s.request.request_id,
-          np.asarray(s.tokens[s.sent:], np.int32),
-          np.asarray(s.logprobs[s.sent:], np.float32),
+          self._tok_buf[s.slot, s.sent:n].copy(),
+          self._lp_buf[s.slot, s.sent:n].copy(),
           s.version,
       )
-      s.sent = len(s.tokens)
+      s.sent = n
       self._safe_call(s.callback, chunk)
 
   def _finish(self, slot: int, reason: str) -> None:
     s = self._slots[slot]
-    self._slots[slot] = None
-    self._to_free.add(slot)
-    self.store.release(s.version)
     self._flush(s)
+    tokens, logprobs = self._tokens(s)
+    self._vacate(slot)
+    self.store.release(s.version)
     resume, resume_lps, spans = _resume_parts(s.request)
-    n = len(s.tokens)
+    n = len(tokens)
     if n:
       spans = spans + (TokenSpan(len(resume), len(resume) + n, s.version),)
     result = api.RolloutResult(
         request_id=s.request.request_id,
-        completion_tokens=np.concatenate([resume, np.asarray(s.tokens, np.int32)]),
-        logprobs=np.concatenate([resume_lps, np.asarray(s.logprobs, np.float32)]),
+        completion_tokens=np.concatenate([resume, tokens]),
+        logprobs=np.concatenate([resume_lps, logprobs]),
         spans=spans,
         finish_reason=reason,
         prefill_version=s.version,

@@ -863,4 +863,8 @@ def build_engine(
       top_p=r.top_p,
       seed=config.seed if seed is None else seed,
       tensor_parallel=r.tensor_parallel,
+      decode_attention=r.decode_attention,
+      attention_block=r.attention_block,
+      prefill_batch_tokens=r.prefill_batch_tokens,
+      share_prompt_prefill=r.share_prompt_prefill,
   )
