@@ -114,7 +114,7 @@ def _attend_cache_and_self(
 
 def _attend_cache_and_self_blocked(
     q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array,
-    positions: jax.Array, rows: jax.Array | None, block: int,
+    positions: jax.Array, rows: jax.Array | None, block: int, layer: int,
 ) -> jax.Array:
   """:func:`_attend_cache_and_self` reading only the cache blocks below the
   longest live row (flash-decoding style online softmax).
@@ -132,9 +132,14 @@ def _attend_cache_and_self_blocked(
   whole rows; ``None`` means row ``b`` is query ``b``. This XLA path runs on
   every backend; the gathers and the loop bound are dynamic, so one compile
   serves every length.
+
+  ``ck, cv`` are the whole ``[L, B, S, Hkv, D]`` cache and ``layer`` this
+  layer's index: slicing a layer out before the loop would materialise a
+  copy of that layer's cache every step (the loop needs its operand as a
+  buffer), which costs what the blocks save.
   """
   b, t, h, d = q.shape
-  s, n_kv = ck.shape[1], ck.shape[2]
+  n_layers, bc, s, n_kv, hd = ck.shape
   block = max(1, min(int(block), s))
   scale = d ** -0.5
   qg = _group(q.astype(jnp.float32), n_kv)[:, 0]  # [B,Hkv,G,D]
@@ -154,10 +159,11 @@ def _attend_cache_and_self_blocked(
     start = jnp.minimum(i * block, s - block)
     idx = start + offsets
     if rows is None:
-      kb = jax.lax.dynamic_slice_in_dim(ck, start, block, axis=1)
-      vb = jax.lax.dynamic_slice_in_dim(cv, start, block, axis=1)
+      at, size = (layer, 0, start, 0, 0), (1, bc, block, n_kv, hd)
+      kb = jax.lax.dynamic_slice(ck, at, size)[0]
+      vb = jax.lax.dynamic_slice(cv, at, size)[0]
     else:
-      kb, vb = ck[rows[:, None], idx[None, :]], cv[rows[:, None], idx[None, :]]
+      kb, vb = ck[layer, rows[:, None], idx[None, :]], cv[layer, rows[:, None], idx[None, :]]
     scores = jnp.einsum("bkgd,bskd->bkgs", qg, kb.astype(jnp.float32)) * scale
     valid = (idx[None, :] < pos[:, None]) & (idx[None, :] >= i * block)  # [B,block]
     scores = jnp.where(valid[:, None, None, :], scores, _MASK_VALUE)
@@ -197,6 +203,7 @@ class Attention(nn.Module):
       mask: jax.Array | None,
       layer_cache: tuple[jax.Array, jax.Array] | None,
       cache_rows: jax.Array | None = None,
+      layer: int = 0,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     cfg = self.cfg
     dtype = cfg.jnp_dtype
@@ -228,11 +235,12 @@ class Attention(nn.Module):
       if self.collect_kv:
         new_cache = (k, v)
     elif self.defer_cache_write:
-      ck, cv = layer_cache
+      ck, cv = layer_cache  # the whole [L, B, S, Hkv, D] cache: see the blocked path
       if self.decode_attention == "blocked":
         ctx = _attend_cache_and_self_blocked(q, k, v, ck, cv, positions, cache_rows,
-                                             self.attention_block)
+                                             self.attention_block, layer)
       else:
+        ck, cv = ck[layer], cv[layer]
         if cache_rows is not None:  # whole rows gathered: the cost the blocked path avoids
           ck, cv = ck[cache_rows], cv[cache_rows]
         ctx = _attend_cache_and_self(q, k, v, ck, cv, positions)
@@ -297,11 +305,11 @@ class Block(nn.Module):
   attention_block: int = 128
 
   @nn.compact
-  def __call__(self, x, positions, mask, layer_cache, cache_rows=None):
+  def __call__(self, x, positions, mask, layer_cache, cache_rows=None, layer=0):
     h, new_cache = Attention(
         self.cfg, self.defer_cache_write, self.collect_kv, self.decode_attention,
         self.attention_block, name="attn",
-    )(_rms_norm(self.cfg, "attn_norm")(x), positions, mask, layer_cache, cache_rows)
+    )(_rms_norm(self.cfg, "attn_norm")(x), positions, mask, layer_cache, cache_rows, layer)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(_rms_norm(self.cfg, "mlp_norm")(x))
     return x, new_cache
@@ -422,10 +430,15 @@ class Transformer(nn.Module):
       block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=True)
     new_k, new_v = [], []
     for i in range(cfg.n_layers):
-      layer_cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
+      if kv_cache is None:
+        layer_cache = None
+      elif defer_cache_write:  # decode reads the layer from the whole cache
+        layer_cache = (kv_cache.k, kv_cache.v)
+      else:
+        layer_cache = (kv_cache.k[i], kv_cache.v[i])
       x, nc = block_cls(cfg, defer_cache_write, collect_kv, self.decode_attention,
                         self.attention_block, name=f"layers_{i}")(
-                            x, positions, mask, layer_cache, cache_rows)
+                            x, positions, mask, layer_cache, cache_rows, i)
       if nc is not None:
         new_k.append(nc[0])
         new_v.append(nc[1])

@@ -682,7 +682,12 @@ class DoraEngine(engine_api.Engine):
     new, tokens, logp, owned = acc
     s = self.model_cfg.max_seq_len
     active = state.active
-    cache = state.cache.write_step(new, state.positions, owned)
+    # ``tokens >= 0`` is always true, but it makes the in-place cache write
+    # depend on the sampled tokens, i.e. on the last layer's attention:
+    # otherwise XLA may schedule the write before a later layer has read the
+    # cache and then copies the whole cache every step to keep both (an
+    # optimization_barrier does not survive the CPU pipeline).
+    cache = state.cache.write_step(new, state.positions, owned & (tokens >= 0))
     # Rows at the cache end stop advancing (their writes are dropped); the
     # driver ends such sequences with "length".
     positions = jnp.where(active, jnp.minimum(state.positions + 1, s), state.positions)
