@@ -118,10 +118,10 @@ def _filled_engine(cfg: ModelConfig, attention: str, slots: int, prompt_len: int
             for v in range(1, versions + 1)}
   rng = np.random.default_rng(seed)
   state = engine.init_decode_state()
-  for v in params:
+  for v, p in params.items():
     rows = list(range(v - 1, slots, versions))
     ctxs = [rng.integers(3, TOK.vocab_size, size=prompt_len).astype(np.int32) for _ in rows]
-    state, _, _ = engine.prefill_insert_batch_async(params[v], v, ctxs, rows, state)
+    state, _, _ = engine.prefill_insert_batch_async(p, v, ctxs, rows, state)
   return engine, MultiVersionParams(params, tuple(params)), state
 
 

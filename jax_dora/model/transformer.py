@@ -139,7 +139,7 @@ def _attend_cache_and_self_blocked(
   buffer), which costs what the blocks save.
   """
   b, t, h, d = q.shape
-  n_layers, bc, s, n_kv, hd = ck.shape
+  _, bc, s, n_kv, hd = ck.shape
   block = max(1, min(int(block), s))
   scale = d ** -0.5
   qg = _group(q.astype(jnp.float32), n_kv)[:, 0]  # [B,Hkv,G,D]

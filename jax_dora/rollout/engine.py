@@ -167,7 +167,7 @@ class PrefillWork:
   padded_tokens: int = 0
   calls: int = 0
 
-  def add(self, other: "PrefillWork") -> None:
+  def add(self, other: PrefillWork) -> None:
     for f in dataclasses.fields(self):
       setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -515,7 +515,7 @@ class DoraEngine(engine_api.Engine):
     """
     if len(contexts) != len(slots):
       raise ValueError(f"{len(contexts)} contexts for {len(slots)} slots")
-    if len(set(int(s) for s in slots)) != len(slots):
+    if len({int(s) for s in slots}) != len(slots):
       raise ValueError(f"slots {list(slots)} repeat")
     ctxs = [np.asarray(c, np.int32).reshape(-1) for c in contexts]
     for slot, c in zip(slots, ctxs):
