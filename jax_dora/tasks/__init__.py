@@ -25,8 +25,10 @@ from jax_dora.tasks.base import (
     task_names,
 )
 from jax_dora.tasks.synthetic import AddTask, RepeatTask, ReverseTask, SortTask
+from jax_dora.tasks.padded_repeat import PaddedRepeatTask
 
 __all__ = [
+    "PaddedRepeatTask",
     "ALLOWED_CHARS",
     "DEFAULT_MAX_ANSWER_LEN",
     "DEFAULT_MAX_PROMPT_LEN",
