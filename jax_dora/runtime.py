@@ -40,7 +40,7 @@ from jax_dora.learner.multihost import (
   stop_followers,
 )
 from jax_dora.learner.train_state import Learner
-from jax_dora.metrics.jsonl import MetricsWriter
+from jax_dora.metrics.writers import open_run_metrics, tensorboard_dir
 from jax_dora.orchestrator.dispatch import Dispatcher
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.run_checkpoint import (
@@ -57,8 +57,38 @@ from jax_dora.types import Prompt
 log = logging.getLogger("jax_dora")
 
 
-def setup_logging(level: int = logging.INFO) -> None:
+# Set by the command line (configure_logging); library users (tests, the
+# notebook) get INFO logs.
+_LOG_LEVEL = logging.INFO
+_STEP_LOG_LEVEL = logging.INFO
+# The per-step log lines (jax_dora.orchestrator.telemetry.log_line).
+STEP_LOGGER = "jax_dora.steps"
+
+
+def configure_logging(verbosity: int | None, *, progress_bar: bool) -> None:
+  """The command line's log levels from absl's ``--verbosity`` (None: not given).
+
+  Not given: warnings only, plus the per-step lines when no progress bar
+  draws on a terminal (a log file or a captured stderr still gets a record
+  every ``log_every`` steps); the bar and the end-of-run summary are the
+  screen. ``-1``: warnings only. ``0``: INFO (start-up and step lines).
+  ``1`` or more: DEBUG.
+  """
+  global _LOG_LEVEL, _STEP_LOG_LEVEL
+  if verbosity is None:
+    _LOG_LEVEL = logging.WARNING
+    bar_on_terminal = progress_bar and sys.stderr.isatty()
+    _STEP_LOG_LEVEL = logging.WARNING if bar_on_terminal else logging.INFO
+  else:
+    _LOG_LEVEL = (logging.WARNING if verbosity < 0 else logging.INFO if verbosity == 0
+                  else logging.DEBUG)
+    _STEP_LOG_LEVEL = _LOG_LEVEL
+  setup_logging()
+
+
+def setup_logging(level: int | None = None) -> None:
   """Readable one-line logs; quiets the chatty libraries we depend on."""
+  level = _LOG_LEVEL if level is None else level
   root = logging.getLogger()
   try:  # absl.app installs its own root handler; keep one readable format.
     from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
@@ -73,6 +103,7 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.addHandler(h)
   root.setLevel(logging.WARNING)
   logging.getLogger("jax_dora").setLevel(level)
+  logging.getLogger(STEP_LOGGER).setLevel(min(level, _STEP_LOG_LEVEL))
   for noisy in ("absl", "orbax", "jax", "grain"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -301,7 +332,8 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
       incarnation=incarnation,
   )
 
-  metrics = MetricsWriter(paths.metrics, keep_through_step=resumed_step or 0)
+  metrics = open_run_metrics(cfg, paths.metrics, resumed_step=resumed_step,
+                             incarnation=incarnation)
 
   def checkpoint(step: int, pending_prompts: list[Prompt], stream_state: dict[str, Any]) -> None:
     # On an object store the logs upload in batches: make them durable first,
@@ -340,7 +372,8 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
   if cfg.progress_bar:
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
-    progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True)
+    progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True,
+                    unit="step")
 
   try:
     with metrics:
@@ -354,7 +387,7 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
           scorer=scorer,
           ledger=ledger,
           hooks=RunHooks(metrics, checkpoint_fn=checkpoint, progress=progress,
-                         after_step=after_step),
+                         after_step=after_step, samples=metrics.write_samples),
           incarnation=incarnation,
       )
 
@@ -372,6 +405,12 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
       progress.close()
     ledger.close()
   summary["output_dir"] = str(paths.output_dir)
+  summary["metrics_path"] = str(paths.metrics)
+  if cfg.metrics.tensorboard:
+    summary["tensorboard_dir"] = tensorboard_dir(str(paths.output_dir))
+  wandb_dirs = [s.dir for s in metrics.sinks if hasattr(s, "run")]
+  if wandb_dirs:
+    summary["wandb_dir"] = wandb_dirs[0]
   summary["incarnation"] = incarnation
   summary["samples_drawn"] = stream.next_sample_id
   summary["reward_failures"] = scorer.metrics()
