@@ -112,7 +112,9 @@ def evaluate_run(run_dir: str, step: int | None = None, *, num_samples: int | No
 
   run_async(main)
   return {"step": step, "num_prompts": len(prompts), "num_samples": int(cfg.eval.num_samples),
-          "greedy": bool(cfg.eval.greedy), **evaluator.last_metrics}
+          "greedy": bool(cfg.eval.greedy), **evaluator.last_metrics,
+          "samples": [{"sample_id": sid, "member": m, "completion": text, "reward": r}
+                      for sid, m, text, r in evaluator.last_samples]}
 
 
 def main(argv: list[str]) -> None:

@@ -60,29 +60,24 @@ log = logging.getLogger("jax_dora")
 # Set by the command line (configure_logging); library users (tests, the
 # notebook) get INFO logs.
 _LOG_LEVEL = logging.INFO
-_STEP_LOG_LEVEL = logging.INFO
-# The per-step log lines (jax_dora.orchestrator.telemetry.log_line).
-STEP_LOGGER = "jax_dora.steps"
 
 
 def configure_logging(verbosity: int | None, *, progress_bar: bool) -> None:
   """The command line's log levels from absl's ``--verbosity`` (None: not given).
 
-  Not given: warnings only, plus the per-step lines when no progress bar
-  draws on a terminal (a log file or a captured stderr still gets a record
-  every ``log_every`` steps); the bar and the end-of-run summary are the
-  screen. ``-1``: warnings only. ``0``: INFO (start-up and step lines).
-  ``1`` or more: DEBUG.
+  Not given: a terminal shows the progress bar, warnings and the end-of-run
+  summary, nothing else; a log file or a captured stderr (nohup, a pod's
+  logs, a test) gets the INFO lines too, since no bar is read there and a
+  record every ``log_every`` steps is. ``-1``: warnings only. ``0``: INFO
+  (start-up and per-step lines). ``1`` or more: DEBUG.
   """
-  global _LOG_LEVEL, _STEP_LOG_LEVEL
+  global _LOG_LEVEL
   if verbosity is None:
-    _LOG_LEVEL = logging.WARNING
     bar_on_terminal = progress_bar and sys.stderr.isatty()
-    _STEP_LOG_LEVEL = logging.WARNING if bar_on_terminal else logging.INFO
+    _LOG_LEVEL = logging.WARNING if bar_on_terminal else logging.INFO
   else:
     _LOG_LEVEL = (logging.WARNING if verbosity < 0 else logging.INFO if verbosity == 0
                   else logging.DEBUG)
-    _STEP_LOG_LEVEL = _LOG_LEVEL
   setup_logging()
 
 
@@ -103,7 +98,6 @@ def setup_logging(level: int | None = None) -> None:
     root.addHandler(h)
   root.setLevel(logging.WARNING)
   logging.getLogger("jax_dora").setLevel(level)
-  logging.getLogger(STEP_LOGGER).setLevel(min(level, _STEP_LOG_LEVEL))
   for noisy in ("absl", "orbax", "jax", "grain"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -3,10 +3,11 @@
 Any field can be overridden with ``--config.<path>=<value>``; unknown keys
 are rejected by ml_collections before anything starts.
 
-The first screen is one progress bar and, at the end, a short summary (see
-:mod:`jax_dora.summary`) plus ``<output_dir>/report.png``. ``--verbosity``
-(absl's flag) shows more: ``0`` start-up and per-step log lines, ``1``
-debug logs and the libraries' own start-up output.
+On a terminal the screen is one progress bar and, at the end, a short summary
+(:mod:`jax_dora.summary`) plus ``<output_dir>/report.png``; a log file also
+gets the INFO lines. ``--verbosity`` (absl's flag) sets the level: ``0``
+start-up and per-step log lines, ``1`` debug logs and the libraries' own
+start-up output.
 """
 
 from __future__ import annotations

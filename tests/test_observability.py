@@ -37,33 +37,76 @@ def _fresh_env() -> dict[str, str]:
   return env
 
 
+def _run_on_a_terminal(args: list[str], timeout_s: float) -> tuple[int, str]:
+  """Runs ``args`` with stdout and stderr on a pseudo-terminal: what a user's screen shows.
+
+  A terminal, not a pipe, because the CLI draws its progress bar (and keeps
+  log lines off the screen) only there.
+  """
+  import fcntl  # pylint: disable=g-import-not-at-top
+  import pty  # pylint: disable=g-import-not-at-top
+  import select  # pylint: disable=g-import-not-at-top
+  import struct  # pylint: disable=g-import-not-at-top
+  import termios  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  master, slave = pty.openpty()
+  fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+  proc = subprocess.Popen(args, cwd=ROOT, env=_fresh_env(), stdin=subprocess.DEVNULL,
+                          stdout=slave, stderr=slave, close_fds=True)
+  os.close(slave)
+  chunks, deadline = [], time.time() + timeout_s
+  try:
+    while time.time() < deadline:
+      if select.select([master], [], [], 1.0)[0]:
+        try:
+          data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+          break
+        if not data:
+          break
+        chunks.append(data)
+      elif proc.poll() is not None:
+        break
+    else:
+      proc.kill()
+      raise AssertionError(f"the main job ran past {timeout_s}s")
+    return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+  finally:
+    os.close(master)
+    if proc.poll() is None:
+      proc.kill()
+
+
 @pytest.fixture(scope="module")
 def main_run(tmp_path_factory):
+  """(output dir, what the terminal showed) of one short run of the README's main command."""
   out = tmp_path_factory.mktemp("main") / "run"
-  proc = subprocess.run(
+  rc, screen = _run_on_a_terminal(
       [sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
        f"--config.output_dir={out}", f"--config.total_steps={STEPS}",
        "--config.learner.groups_per_step=4", "--config.learner.group_size=4",
        "--config.eval.num_prompts=4", "--config.eval.num_samples=2", "--config.eval.every_steps=0",
        "--config.metrics.text_every_steps=1", "--config.metrics.wandb_project=jax-dora-test",
-       "--config.metrics.wandb_mode=offline"],
-      cwd=ROOT, env=_fresh_env(), capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return out, proc
+       "--config.metrics.wandb_mode=offline"], timeout_s=600)
+  assert rc == 0, screen[-3000:]
+  return out, screen
 
 
 def test_first_screen_has_no_tensorflow_or_cuda_noise(main_run):
-  _, proc = main_run
-  first = proc.stderr.splitlines()[:20]
+  _, screen = main_run
+  # Lines as a terminal shows them (the bar redraws itself with \r).
+  first = screen.splitlines()[:20]
   assert not [line for line in first if NOISE.search(line)], first
-  assert not [line for line in proc.stdout.splitlines()[:20] if NOISE.search(line)]
+  # Quiet: the bar and the summary, no log lines (they are for --verbosity or a log file).
+  assert not [line for line in screen.splitlines() if re.search(r" [IW] jax_dora", line)], screen
+  assert any(line.startswith("dora_pace:") and "step" in line for line in first), first
 
 
 def test_main_job_runs_dora_pace_and_prints_the_summary(main_run):
-  out, proc = main_run
+  out, text = main_run
   summary = json.loads((out / "summary.json").read_text())
   assert summary["mode"] == "dora_pace" and summary["steps"] == STEPS
-  text = proc.stdout
   assert f"== dora_pace: {STEPS} steps" in text
   for label in ("trained tokens/s", "learner bubble", "staleness p50/p99  generation",
                 "rejected groups    PACE", "eval reward", "integrity          OK"):
@@ -134,14 +177,15 @@ def test_report_command_renders_a_png_and_html(main_run, tmp_path):
   out, _ = main_run
   _assert_real_image(out / "report.png")  # written by the main job itself
   png = tmp_path / "compare.png"
-  proc = subprocess.run([sys.executable, "-m", "jax_dora.report", str(out), str(out),
-                         "-o", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_dora.report", str(out), str(out), "-o", str(png)],
+      cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
   assert proc.returncode == 0, proc.stderr
   _assert_real_image(png)
   page = (tmp_path / "compare.html").read_text()
   assert "data:image/png;base64," in page and "dora_pace" in page
   bad = subprocess.run([sys.executable, "-m", "jax_dora.report", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, check=False, timeout=120)
   assert bad.returncode == 2 and "no metrics.jsonl" in bad.stderr
 
 
@@ -151,14 +195,19 @@ def test_evaluate_command_scores_a_saved_snapshot(main_run):
   proc = subprocess.run(
       [sys.executable, "-m", "jax_dora.evaluate", f"--run_dir={out}", "--num_prompts=4",
        "--num_samples=3", "--greedy"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.loads((out / f"eval_step{STEPS}.json").read_text())
   assert res["step"] == STEPS and res["greedy"] and res["num_samples"] == 3
-  # Greedy decoding repeats itself: any-of-3 and the majority are each sample's verdict.
+  # Greedy decoding repeats itself: a prompt's three completions are one text, so
+  # any-of-3 and the majority are each sample's verdict.
+  by_prompt: dict[int, set[str]] = {}
+  for s in res["samples"]:
+    by_prompt.setdefault(s["sample_id"], set()).add(s["completion"])
+  assert len(by_prompt) == 4 and all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
   assert res["eval/pass@3"] == res["eval/pass@1"] == res["eval/maj@3"]
   assert 0.0 <= res["eval/reward"] <= 1.0 and res["eval/reward_stderr"] is not None
   missing = subprocess.run(
       [sys.executable, "-m", "jax_dora.evaluate", f"--run_dir={out}", "--step=999"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
   assert missing.returncode == 2 and "version 999 is not in" in missing.stderr

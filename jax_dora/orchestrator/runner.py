@@ -46,9 +46,6 @@ from jax_dora.orchestrator.telemetry import RolloutTelemetry, log_line
 from jax_dora.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
-# The per-step lines have their own logger: a quiet command line keeps them
-# for log files while a terminal shows the progress bar instead.
-step_log = logging.getLogger("jax_dora.steps")
 
 
 @dataclasses.dataclass
@@ -458,7 +455,7 @@ class Orchestrator:
         await out
     every_log = int(self.cfg.log_every)
     if every_log > 0 and (step % every_log == 0 or step == self.cfg.total_steps):
-      step_log.info("%s", log_line(rec))
+      log.info("%s", log_line(rec))
     if self.hooks.progress is not None:
       self.hooks.progress.update(1)
       self.hooks.progress.set_postfix(
