@@ -208,6 +208,10 @@ def run_training(
   operations (``jax_dora.learner.multihost``); they return a short summary.
   """
   validate(cfg)
+  if cfg.eval.greedy:
+    raise ConfigError("config.eval.greedy is for `python -m jax_dora.evaluate --greedy`, which starts"
+                      " its own servers: the in-training eval shares the rollout servers, whose"
+                      " sampling temperature is rollout.temperature")
   if cfg.role == "rollout":
     raise ConfigError("config.role=rollout is a rollout server: start it with"
                       " `python -m jax_dora.rollout.server_main`, not jax_dora.train")
