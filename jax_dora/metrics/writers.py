@@ -158,7 +158,7 @@ class WandbSink:
     self._wandb = wandb
     os.makedirs(directory, exist_ok=True)
     self.run = wandb.init(project=project, entity=entity or None, mode=mode, dir=directory,
-                          name=name, config=config, reinit="create_new",
+                          name=name, config=config,
                           settings=wandb.Settings(silent=True, console="off"))
     # The run's own directory (``offline-run-...``); run.dir is its files/.
     self.dir = os.path.dirname(self.run.dir.rstrip("/"))
