@@ -40,7 +40,7 @@ from jax_dora.learner.multihost import (
   stop_followers,
 )
 from jax_dora.learner.train_state import Learner
-from jax_dora.metrics.writers import open_run_metrics, tensorboard_dir
+from jax_dora.metrics.writers import WandbSink, open_run_metrics, tensorboard_dir
 from jax_dora.orchestrator.dispatch import Dispatcher
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.run_checkpoint import (
@@ -406,7 +406,7 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
   summary["metrics_path"] = str(paths.metrics)
   if cfg.metrics.tensorboard:
     summary["tensorboard_dir"] = tensorboard_dir(str(paths.output_dir))
-  wandb_dirs = [s.dir for s in metrics.sinks if hasattr(s, "run")]
+  wandb_dirs = [s.dir for s in metrics.sinks if isinstance(s, WandbSink)]
   if wandb_dirs:
     summary["wandb_dir"] = wandb_dirs[0]
   summary["incarnation"] = incarnation
