@@ -4,7 +4,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
-.PHONY: test test-slow train bench docs
+.PHONY: test test-slow train bench docs wheel
 
 test:
 	$(PY) -m pytest -q -x --timeout=900 --durations=30 tests
@@ -20,3 +20,7 @@ bench:
 
 docs:
 	$(PY) scripts/gen_config_reference.py > docs/CONFIG_REFERENCE.md
+
+# A wheel of this checkout (dist/jax_dora-*.whl): what the Colab notebook installs.
+wheel:
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .

@@ -287,7 +287,26 @@ def base_config() -> ml_collections.ConfigDict:
       dict(every_steps=0, max_to_keep=2, resume=True)  # 0 = only at the end
   )
 
-  c.eval = ml_collections.ConfigDict(dict(every_steps=10, num_prompts=64, at_start=True))
+  # Held-out evaluation. num_samples = k completions per prompt: the log gets
+  # pass@1, pass@k and maj@k (with standard errors) beside the mean reward. A
+  # completion is correct when its reward >= correct_threshold (the synthetic
+  # tasks give partial credit; 1.0 = exact). greedy: argmax decoding, for
+  # ``python -m jax_dora.evaluate`` only (it starts its own servers; the
+  # in-training eval shares the rollout servers, which sample at
+  # rollout.temperature).
+  c.eval = ml_collections.ConfigDict({
+      "every_steps": 10, "num_prompts": 64, "at_start": True, "num_samples": 1,
+      "correct_threshold": 1.0, "greedy": False})
+
+  # Where the per-step records go besides metrics.jsonl (always written: the
+  # audit, the benchmarks and jax_dora.report read it). TensorBoard event
+  # files in <output_dir>/tensorboard; W&B when wandb_project is set
+  # (wandb_mode=offline needs no network: `wandb sync` uploads later).
+  # num_text_samples decoded completions are logged as text every
+  # text_every_steps steps (0 = never).
+  c.metrics = ml_collections.ConfigDict({
+      "tensorboard": True, "wandb_project": "", "wandb_entity": "", "wandb_mode": "online",
+      "num_text_samples": 4, "text_every_steps": 10})
 
   c.distributed = ml_collections.ConfigDict(
       dict(
@@ -455,6 +474,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_loss(c)
   if c.pace.on_reject not in ("regenerate", "drop"):
     raise ConfigError("config.pace.on_reject must be 'regenerate' or 'drop'")
+  if c.eval.num_samples < 1:
+    raise ConfigError(f"config.eval.num_samples={c.eval.num_samples} must be >= 1 (k of pass@k)")
+  if c.metrics.wandb_mode not in ("online", "offline", "disabled"):
+    raise ConfigError(f"config.metrics.wandb_mode={c.metrics.wandb_mode!r} must be online,"
+                      " offline or disabled")
+  if c.metrics.num_text_samples < 0 or c.metrics.text_every_steps < 0:
+    raise ConfigError("config.metrics.num_text_samples and text_every_steps must be >= 0")
 
 
 def _validate_loss(c: ml_collections.ConfigDict) -> None:

@@ -40,7 +40,7 @@ from jax_dora.learner.multihost import (
   stop_followers,
 )
 from jax_dora.learner.train_state import Learner
-from jax_dora.metrics.jsonl import MetricsWriter
+from jax_dora.metrics.writers import WandbSink, open_run_metrics, tensorboard_dir
 from jax_dora.orchestrator.dispatch import Dispatcher
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.run_checkpoint import (
@@ -57,8 +57,33 @@ from jax_dora.types import Prompt
 log = logging.getLogger("jax_dora")
 
 
-def setup_logging(level: int = logging.INFO) -> None:
+# Set by the command line (configure_logging); library users (tests, the
+# notebook) get INFO logs.
+_LOG_LEVEL = logging.INFO
+
+
+def configure_logging(verbosity: int | None, *, progress_bar: bool) -> None:
+  """The command line's log levels from absl's ``--verbosity`` (None: not given).
+
+  Not given: a terminal shows the progress bar, warnings and the end-of-run
+  summary, nothing else; a log file or a captured stderr (nohup, a pod's
+  logs, a test) gets the INFO lines too, since no bar is read there and a
+  record every ``log_every`` steps is. ``-1``: warnings only. ``0``: INFO
+  (start-up and per-step lines). ``1`` or more: DEBUG.
+  """
+  global _LOG_LEVEL
+  if verbosity is None:
+    bar_on_terminal = progress_bar and sys.stderr.isatty()
+    _LOG_LEVEL = logging.WARNING if bar_on_terminal else logging.INFO
+  else:
+    _LOG_LEVEL = (logging.WARNING if verbosity < 0 else logging.INFO if verbosity == 0
+                  else logging.DEBUG)
+  setup_logging()
+
+
+def setup_logging(level: int | None = None) -> None:
   """Readable one-line logs; quiets the chatty libraries we depend on."""
+  level = _LOG_LEVEL if level is None else level
   root = logging.getLogger()
   try:  # absl.app installs its own root handler; keep one readable format.
     from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
@@ -183,6 +208,10 @@ def run_training(
   operations (``jax_dora.learner.multihost``); they return a short summary.
   """
   validate(cfg)
+  if cfg.eval.greedy:
+    raise ConfigError("config.eval.greedy is for `python -m jax_dora.evaluate --greedy`, which starts"
+                      " its own servers: the in-training eval shares the rollout servers, whose"
+                      " sampling temperature is rollout.temperature")
   if cfg.role == "rollout":
     raise ConfigError("config.role=rollout is a rollout server: start it with"
                       " `python -m jax_dora.rollout.server_main`, not jax_dora.train")
@@ -301,7 +330,8 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
       incarnation=incarnation,
   )
 
-  metrics = MetricsWriter(paths.metrics, keep_through_step=resumed_step or 0)
+  metrics = open_run_metrics(cfg, paths.metrics, resumed_step=resumed_step,
+                             incarnation=incarnation)
 
   def checkpoint(step: int, pending_prompts: list[Prompt], stream_state: dict[str, Any]) -> None:
     # On an object store the logs upload in batches: make them durable first,
@@ -340,7 +370,8 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
   if cfg.progress_bar:
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
-    progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True)
+    progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True,
+                    unit="step")
 
   try:
     with metrics:
@@ -354,7 +385,7 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
           scorer=scorer,
           ledger=ledger,
           hooks=RunHooks(metrics, checkpoint_fn=checkpoint, progress=progress,
-                         after_step=after_step),
+                         after_step=after_step, samples=metrics.write_samples),
           incarnation=incarnation,
       )
 
@@ -372,6 +403,12 @@ def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, pub
       progress.close()
     ledger.close()
   summary["output_dir"] = str(paths.output_dir)
+  summary["metrics_path"] = str(paths.metrics)
+  if cfg.metrics.tensorboard:
+    summary["tensorboard_dir"] = tensorboard_dir(str(paths.output_dir))
+  wandb_dirs = [s.dir for s in metrics.sinks if isinstance(s, WandbSink)]
+  if wandb_dirs:
+    summary["wandb_dir"] = wandb_dirs[0]
   summary["incarnation"] = incarnation
   summary["samples_drawn"] = stream.next_sample_id
   summary["reward_failures"] = scorer.metrics()

@@ -146,3 +146,20 @@ def test_overlong_and_truncation_settings_are_validated():
   with pytest.raises(ConfigError, match="mask every completion"):
     validate(c)
   assert "normalize_adv_std" not in base_config().learner  # replaced by advantage_estimator
+
+
+def test_greedy_eval_is_refused_for_training_with_a_pointer_to_evaluate(tmp_path):
+  from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
+
+  c = base_config()
+  c.output_dir = str(tmp_path / "run")
+  c.eval.greedy = True
+  with pytest.raises(ConfigError, match="jax_dora.evaluate --greedy"):
+    run_training(c)
+  assert not (tmp_path / "run").exists()  # refused before anything started
+  c.eval.greedy, c.eval.num_samples = False, 0
+  with pytest.raises(ConfigError, match="num_samples=0 must be >= 1"):
+    validate(c)
+  c.eval.num_samples, c.metrics.wandb_mode = 1, "cloud"
+  with pytest.raises(ConfigError, match="wandb_mode='cloud'"):
+    validate(c)

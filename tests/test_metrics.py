@@ -98,3 +98,21 @@ def test_log_line_reports_the_mismatch_kl():
          "staleness_behaviour": {"mean": 1.5, "max": 3}, "train/mismatch/kl_k3": 0.0123}
   assert log_line(rec) == ("step 3 | reward 0.250 | len 12 | loss 0.5000 | bubble 0.10 | 100 tok/s"
                            " | staleness mean 1.50 max 3 | pool 2 | mismatch kl 1.2e-02")
+
+
+def test_dashboard_tags_flatten_a_record():
+  """What TensorBoard / W&B receive from one metrics record (jax_dora.metrics.writers)."""
+  import math  # pylint: disable=g-import-not-at-top
+
+  from jax_dora.metrics.writers import flatten_scalars, histograms  # pylint: disable=g-import-not-at-top
+
+  rec = {"step": 3, "time": 1.0, "mode": "dora", "reward_mean": 0.5, "ok": True, "bad": "NaN",
+         "pace": {"pace_budget": 2, "pace_reason/x": 1}, "vec": [1, 2], "none": None,
+         "staleness_waiting": {"0": 2, "2": 1, "mean": 2 / 3, "max": 2, "n": 3},
+         "staleness_generation": {"mean": None, "max": None, "n": 0}}
+  tags = flatten_scalars(rec)
+  assert math.isnan(tags.pop("bad"))
+  assert tags == {"reward_mean": 0.5, "ok": 1.0, "pace/pace_budget": 2.0,
+                  "pace/pace_reason/x": 1.0, "staleness_waiting/mean": 2 / 3,
+                  "staleness_waiting/max": 2.0}
+  assert histograms(rec) == {"staleness_waiting": {0: 2, 2: 1}}

@@ -36,7 +36,7 @@ from jax_dora.orchestrator import dynamic_sampling
 from jax_dora.rewards.overlong import overlong_penalty
 from jax_dora.orchestrator import staleness as staleness_lib
 from jax_dora.orchestrator.dispatch import Dispatcher, to_trajectory
-from jax_dora.orchestrator.evaluation import Evaluator
+from jax_dora.orchestrator.evaluation import Evaluator, length_budget
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.modes import BACKGROUND_PUBLISH_MODES, MODE_LOOPS
 from jax_dora.orchestrator.pace import PaceConfig, PaceController
@@ -59,6 +59,10 @@ class RunHooks:
   # Called after every learner step with the step's metrics record (may be
   # async): the extension point for callbacks, fault injection in tests, etc.
   after_step: Callable[[dict[str, Any], "Orchestrator"], Any] | None = None
+  # ``samples(step, [{"sample", "prompt", "completion", "reward"}, ...])``: a
+  # few decoded trained completions every ``metrics.text_every_steps`` steps
+  # (the dashboards' text view).
+  samples: Callable[[int, list[dict[str, Any]]], None] | None = None
 
 
 @dataclasses.dataclass
@@ -137,8 +141,14 @@ class Orchestrator:
     self._t0 = time.time()
     self._trained_tokens = 0
     self._generated_tokens = 0
+    # Completion tokens of groups that left without training (stale, PACE,
+    # zero variance): rollout work the learner never used.
+    self._wasted_tokens = 0
+    self._last_trained: list[Trajectory] = []
     self._telemetry = RolloutTelemetry()
-    self.evaluator = Evaluator(prompts.eval, dispatcher, scorer, tokenizer, self.length_budget)
+    self.evaluator = Evaluator(prompts.eval, dispatcher, scorer, tokenizer, self.length_budget,
+                               num_samples=int(cfg.eval.num_samples),
+                               correct_threshold=float(cfg.eval.correct_threshold))
     self.publish_in_background = (
         bool(cfg.orchestrator.async_publish) and self.mode in BACKGROUND_PUBLISH_MODES
     )
@@ -162,10 +172,7 @@ class Orchestrator:
 
   def length_budget(self, p: Prompt) -> tuple[int, bool]:
     """``(max_new_tokens, ignore_eos)`` for a request on ``p`` (``rollout.length_mode``)."""
-    if not self.fixed_lengths:
-      return self.max_new_tokens, False
-    n = len(self.tokenizer.encode(p.answer, is_bos=False)[0])
-    return max(1, min(n, self.max_new_tokens)), True
+    return length_budget(self.tokenizer, self.max_new_tokens, self.fixed_lengths, p)
 
   def pending_prompts(self) -> list[Prompt]:
     """Prompts issued but not trained: re-issued by a resumed run."""
@@ -265,6 +272,7 @@ class Orchestrator:
     """
     reasons = [reason] * len(groups) if isinstance(reason, str) else list(reason)
     for g, why in zip(groups, reasons):
+      self._wasted_tokens += int(sum(t.num_completion_tokens for t in g))
       # A zero-variance group is replaced by a new prompt, not re-rolled.
       regenerate = why == "stale" or (
           why != dynamic_sampling.REASON and self.cfg.pace.on_reject == "regenerate")
@@ -347,6 +355,7 @@ class Orchestrator:
     for g in groups:
       self._outstanding.pop(g[0].sample_id, None)
     self._trained_tokens += int(sum(t.num_completion_tokens for t in trajs))
+    self._last_trained = trajs
 
     t0 = time.time()
     new_version = self.version + 1
@@ -412,6 +421,9 @@ class Orchestrator:
         "staleness_effective": staleness_histogram(eff),
         "staleness_behaviour": staleness_histogram(beh),
         "multi_version_trajectories": int(sum(len(t.behaviour_versions) > 1 for t in trajs)),
+        "wasted_rollout_tokens_total": self._wasted_tokens,
+        # Share of the completion tokens generated so far that were thrown away.
+        "wasted_rollout_frac": self._wasted_tokens / max(self._generated_tokens, 1),
         "wall_time_s": elapsed,
     }
     rec.update({f"train/{k}": v for k, v in train_metrics.items()})
@@ -431,7 +443,12 @@ class Orchestrator:
     every = int(self.cfg.eval.every_steps)
     if every > 0 and (step % every == 0 or step == self.cfg.total_steps):
       rec["eval_reward"] = await self.evaluator.evaluate()
+      rec.update(self.evaluator.last_metrics)
     self.hooks.metrics.write(rec)
+    text_every = int(self.cfg.metrics.text_every_steps)
+    if (self.hooks.samples is not None and text_every > 0 and self.cfg.metrics.num_text_samples
+        and (step % text_every == 0 or step == self.cfg.total_steps)):
+      self.hooks.samples(step, self._decoded_samples(int(self.cfg.metrics.num_text_samples)))
     if self.hooks.after_step is not None:
       out = self.hooks.after_step(rec, self)
       if asyncio.iscoroutine(out):
@@ -448,6 +465,12 @@ class Orchestrator:
     ck = int(self.cfg.checkpoint.every_steps)
     if self.hooks.checkpoint_fn is not None and ck > 0 and step % ck == 0:
       await self._checkpoint(step)
+
+  def _decoded_samples(self, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` trajectories of the last trained batch, decoded."""
+    return [{"sample": f"{t.sample_id}-{t.member}", "prompt": t.prompt.text,
+             "completion": self.tokenizer.decode(t.completion_tokens.tolist()),
+             "reward": float(t.reward)} for t in self._last_trained[:n]]
 
   async def _checkpoint(self, step: int) -> None:
     """Saves the run at ``step``: learner state, stream position, pending prompts.
@@ -510,6 +533,7 @@ class Orchestrator:
     self._t0 = time.time()
     await self.dispatcher.broadcast_version(self.version)
     initial_eval = await self.evaluator.evaluate() if self.cfg.eval.at_start else None
+    initial_metrics = dict(self.evaluator.last_metrics) if initial_eval is not None else {}
     await self._telemetry.sample(self.dispatcher.live_clients)  # baseline for the first delta
     self._t0 = time.time()
     try:
@@ -530,6 +554,11 @@ class Orchestrator:
         "initial_eval_reward": initial_eval,
         "final_eval_reward": final_eval,
         "final_eval_reward_stderr": self.evaluator.last_stderr,
+        # pass@1 / pass@k / maj@k (+ standard errors) before and after training.
+        "initial_eval": initial_metrics,
+        "final_eval": dict(self.evaluator.last_metrics) if final_eval is not None else {},
+        "wasted_rollout_tokens": self._wasted_tokens,
+        "generated_tokens": self._generated_tokens,
         "integrity_violations": self.ledger.check(),
         # Groups that left without training, by reason (stale, pace_*, zero_variance).
         "rejected_groups": {dynamic_sampling.REASON: 0, "stale": 0, **self.ledger.reasons()},

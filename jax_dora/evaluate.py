@@ -1,0 +1,160 @@
+"""Evaluates a saved policy version: ``python -m jax_dora.evaluate --run_dir=DIR [--step=N]``.
+
+Rebuilds the run from ``DIR/config.json`` (model, tokenizer, held-out
+prompts, reward), starts embedded rollout servers on the snapshot of version
+``N`` (default: the newest in the run's snapshot directory) and reports mean
+reward, pass@1, pass@k and maj@k with standard errors over the held-out
+prompts (:mod:`jax_dora.metrics.passk`). The result is printed and written
+to ``DIR/eval_step<N>.json``.
+
+Unlike the in-training eval, which shares the training servers and samples
+at ``rollout.temperature``, this command owns its servers, so ``--greedy``
+decodes with argmax (pass@k then equals pass@1: the k samples agree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if __name__ == "__main__":
+  from jax_dora.runtime import cpu_friendly_env  # pylint: disable=g-import-not-at-top
+
+  cpu_friendly_env()
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top
+
+_RUN_DIR = flags.DEFINE_string("run_dir", None, "A run's output_dir (holds config.json).")
+_STEP = flags.DEFINE_integer("step", None, "Policy version to evaluate (default: the newest).")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", None, "k samples per prompt (default: the"
+                                    " run's eval.num_samples).")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Held-out prompts (default: the run's"
+                                    " eval.num_prompts).")
+_GREEDY = flags.DEFINE_boolean("greedy", None, "Argmax decoding (default: the run's eval.greedy).")
+
+
+class EvaluateError(ValueError):
+  """The run directory or the requested version cannot be evaluated."""
+
+
+def load_run_config(run_dir: str):
+  """The run's config (``config.json``), unlocked so evaluation settings can change."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.exists(path):
+    raise EvaluateError(f"{run_dir}: no config.json (is it a run's output_dir?)")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def snapshot_dir(cfg, run_dir: str) -> str:
+  return str(cfg.snapshots.directory) if cfg.snapshots.directory else os.path.join(
+      run_dir, "snapshots")
+
+
+def evaluate_run(run_dir: str, step: int | None = None, *, num_samples: int | None = None,
+                 num_prompts: int | None = None, greedy: bool | None = None) -> dict:
+  """Evaluates version ``step`` of the run in ``run_dir``; returns the metrics."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jax_dora.config import validate  # pylint: disable=g-import-not-at-top
+  from jax_dora.data import make_eval_prompts  # pylint: disable=g-import-not-at-top
+  from jax_dora.orchestrator.dispatch import Dispatcher  # pylint: disable=g-import-not-at-top
+  from jax_dora.orchestrator.evaluation import Evaluator, length_budget  # pylint: disable=g-import-not-at-top
+  from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
+  from jax_dora.rewards import RewardScorer  # pylint: disable=g-import-not-at-top
+  from jax_dora.runtime import build_rollout_clients, run_async  # pylint: disable=g-import-not-at-top
+  from jax_dora.snapshots.store import SnapshotReader  # pylint: disable=g-import-not-at-top
+
+  cfg = load_run_config(run_dir)
+  cfg.role, cfg.rollout.server_addresses = "all", ""  # its own embedded servers
+  for key, value in (("num_samples", num_samples), ("num_prompts", num_prompts),
+                     ("greedy", greedy)):
+    if value is not None:
+      cfg.eval[key] = value
+  validate(cfg)
+  if cfg.eval.num_prompts < 1:
+    raise EvaluateError("no held-out prompts: pass --num_prompts")
+  snaps = snapshot_dir(cfg, run_dir)
+  versions = SnapshotReader(snaps).versions() if os.path.isdir(snaps) else []
+  if not versions:
+    raise EvaluateError(f"{snaps}: no snapshot to evaluate")
+  step = versions[-1] if step is None else int(step)
+  if step not in versions:
+    raise EvaluateError(f"version {step} is not in {snaps} (kept: {versions};"
+                        " snapshots.max_to_keep prunes older ones)")
+  if cfg.eval.greedy:
+    cfg.rollout.temperature = 0.0  # engine: argmax (after validate, which refuses 0 for training)
+  policy = resolve_policy(cfg)
+  tokenizer = policy.tokenizer
+  prompts = make_eval_prompts(cfg, int(cfg.eval.num_prompts), tokenizer)
+  clients = build_rollout_clients(cfg, snaps, list(jax.devices()), policy)
+  scorer = RewardScorer.from_config(cfg)
+  dispatcher = Dispatcher(clients, health_timeout_s=cfg.rollout.control_timeout_s, seed=cfg.seed)
+  evaluator = Evaluator(
+      prompts, dispatcher, scorer, tokenizer,
+      lambda p: length_budget(tokenizer, int(cfg.rollout.max_new_tokens),
+                              cfg.rollout.length_mode == "answer", p),
+      num_samples=int(cfg.eval.num_samples), correct_threshold=float(cfg.eval.correct_threshold))
+
+  async def main() -> None:
+    try:
+      await dispatcher.broadcast_version(step)
+      await evaluator.evaluate()
+    finally:
+      await dispatcher.close()
+      await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+      scorer.close()
+
+  run_async(main)
+  return {"step": step, "num_prompts": len(prompts), "num_samples": int(cfg.eval.num_samples),
+          "greedy": bool(cfg.eval.greedy), **evaluator.last_metrics,
+          "samples": [{"sample_id": sid, "member": m, "completion": text, "reward": r}
+                      for sid, m, text, r in evaluator.last_samples]}
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not _RUN_DIR.value:
+    raise app.UsageError("--run_dir is required")
+  from jax_dora.quiet import quiet_startup  # pylint: disable=g-import-not-at-top
+
+  quiet_startup(verbose=flags.FLAGS["verbosity"].present and flags.FLAGS["verbosity"].value >= 1)
+  from jax_dora.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jax_dora.runtime import configure_logging  # pylint: disable=g-import-not-at-top
+
+  configure_logging(flags.FLAGS["verbosity"].value if flags.FLAGS["verbosity"].present else None,
+                    progress_bar=False)
+  try:
+    out = evaluate_run(_RUN_DIR.value, _STEP.value, num_samples=_NUM_SAMPLES.value,
+                       num_prompts=_NUM_PROMPTS.value, greedy=_GREEDY.value)
+  except (EvaluateError, ConfigError) as e:
+    print(f"evaluate error: {e}", file=sys.stderr)
+    sys.exit(2)
+  path = os.path.join(_RUN_DIR.value, f"eval_step{out['step']}.json")
+  with open(path, "w") as f:
+    json.dump(out, f, indent=2)
+  print(f"version {out['step']}: {out['num_prompts']} prompts x {out['num_samples']} samples"
+        f" ({'greedy' if out['greedy'] else 'sampled'})")
+  for key, value in out.items():
+    if key.startswith("eval/") and not key.endswith("_stderr") and value is not None:
+      se = out.get(f"{key}_stderr")
+      print(f"  {key.removeprefix('eval/'):<10} {value:.3f}" + (f" ± {se:.3f}" if se is not None
+                                                                  else ""))
+  print(path)
+
+
+def run() -> None:
+  from jax_dora.runtime import cpu_friendly_env  # pylint: disable=g-import-not-at-top
+
+  cpu_friendly_env()
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
