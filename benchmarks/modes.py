@@ -1,8 +1,15 @@
 """Every training mode on the same long-tailed workload, side by side.
 
 Each mode runs in fresh processes (same seed, same config, same wall-clock
-budget) on ``configs/long_tail.py``: a rollout-dominated workload whose
-rollout lengths follow a power law fixed by the workload (see that config).
+budget) on one workload (``--workload``):
+
+* ``long_tail`` (default, ``configs/long_tail.py``): a rollout-dominated
+  workload whose rollout lengths follow a power law fixed by the workload;
+* ``long_context`` (``configs/long_context.py``): prompts of a few hundred
+  tokens and answers up to 2k tokens, published often: the regime where
+  AReaL-style interruption (``async_unfiltered``) re-prefills long prefixes
+  after every publish and DORA does not.
+
 The table reports, measured in this one run:
 
 * trained tokens/s (completion tokens the learner consumed per second) and its
@@ -13,6 +20,10 @@ The table reports, measured in this one run:
   and the mean training reward of the last steps;
 * rollout tokens wasted (generated but never trained: evicted as stale,
   rejected by PACE, or still in flight at the end);
+* re-prefilled tokens (resumed prompt + completion prefixes the servers
+  computed again after an interruption; only ``async_unfiltered`` and
+  ``partial_rollout`` pay them) and the prefill tokens group prefix sharing
+  saved;
 * integrity violations found in the trained-sample log (must be 0).
 
 Placement (``--placement``):
@@ -29,6 +40,7 @@ Placement (``--placement``):
   in rollout work (no tail waste), not the bubble it removes.
 
 Usage: python benchmarks/modes.py [--budget_s 60] [--modes sync,dora,...]
+                                  [--workload long_tail|long_context]
                                   [--placement split|shared] [--seeds N]
                                   [--config.x=y ...]
 """
@@ -49,7 +61,8 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIG = "configs/long_tail.py"
+WORKLOADS = {"long_tail": "configs/long_tail.py", "long_context": "configs/long_context.py"}
+CONFIG = WORKLOADS["long_tail"]  # set by --workload
 ALL_MODES = ("sync", "one_step_off", "partial_rollout", "async_unfiltered", "dora", "dora_pace")
 
 
@@ -150,6 +163,9 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   generated = last.get("generated_tokens_per_s", 0.0) * last.get("wall_time_s", 0.0)
   trained = last.get("trained_tokens_per_s", 0.0) * last.get("wall_time_s", 0.0)
   summary["wasted_share"] = 1.0 - trained / generated if generated else float("nan")
+  summary["reprefill_tokens"] = sum(r.get("reprefill_tokens") or 0 for r in recs)
+  summary["prefill_tokens"] = sum(r.get("prefill_tokens") or 0 for r in recs)
+  summary["prefill_tokens_computed"] = sum(r.get("prefill_tokens_computed") or 0 for r in recs)
   return summary
 
 
@@ -159,7 +175,8 @@ def _mean_over_seeds(summaries: list[dict]) -> dict:
   if len(summaries) == 1:
     return summaries[0]
   row = dict(summaries[0])
-  for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share", "mean_reward_last"):
+  for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share", "mean_reward_last",
+              "reprefill_tokens"):
     row[key] = statistics.mean(s[key] for s in summaries)
   row["steps"] = round(row["steps"])
   evals = [s["final_eval_reward"] for s in summaries if s.get("final_eval_reward") is not None]
@@ -178,6 +195,8 @@ def main() -> None:
   ap.add_argument("--placement", choices=("split", "shared"), default="split",
                   help="split: learner and rollout on disjoint cores (default); shared: one process")
   ap.add_argument("--quick", action="store_true", help="short budget smoke run")
+  ap.add_argument("--workload", choices=sorted(WORKLOADS), default="long_tail",
+                  help="long_tail (configs/long_tail.py) or long_context (configs/long_context.py)")
   ap.add_argument("--out", default="", help="directory for per-mode runs (default: temp)")
   ap.add_argument("--seeds", type=int, default=1,
                   help="runs per mode (config.seed 0..N-1); the table shows means and, for eval R,"
@@ -186,6 +205,8 @@ def main() -> None:
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
     ap.error(f"unrecognized arguments {bad} (config overrides look like --config.x=y)")
+  global CONFIG
+  CONFIG = WORKLOADS[a.workload]
   budget = 25.0 if a.quick else a.budget_s
   base = pathlib.Path(a.out or tempfile.mkdtemp(prefix="jax_dora_modes_"))
   modes = [m for m in a.modes.split(",") if m]
@@ -205,7 +226,7 @@ def main() -> None:
   ref = results.get("sync", {}).get("trained_tokens_per_s")
   print()
   print(f"{'mode':<18}{'steps':>6}{'tok/s':>9}{'x sync':>8}{'bubble':>8}{'wasted':>8}"
-        f"{'eval R':>8}{'± se':>7}{'train R':>8}{'violations':>11}")
+        f"{'eval R':>8}{'± se':>7}{'train R':>8}{'re-prefill':>11}{'violations':>11}")
   for m, s in results.items():
     ratio = s["trained_tokens_per_s"] / ref if ref else float("nan")
     ev = s.get("final_eval_reward")
@@ -214,8 +235,20 @@ def main() -> None:
         f"{s['bubble_ratio']:>8.1%}{s['wasted_share']:>8.1%}"
         f"{(ev if ev is not None else float('nan')):>8.3f}"
         f"{(s.get('final_eval_reward_stderr') or float('nan')):>7.3f}"
-        f"{s['mean_reward_last']:>8.3f}{len(s['integrity_violations']):>11}"
+        f"{s['mean_reward_last']:>8.3f}{s['reprefill_tokens']:>11.0f}"
+        f"{len(s['integrity_violations']):>11}"
     )
+  shared = [s for s in results.values() if s.get("prefill_tokens_computed")]
+  if shared:
+    asked = sum(s["prefill_tokens"] for s in shared)
+    done = sum(s["prefill_tokens_computed"] for s in shared)
+    print(f"\nprefill: {asked} context tokens admitted, {done} computed (group prefix sharing:"
+          f" {asked / done:.1f}x less prompt work)")
+  ref_mode = "async_unfiltered" if "async_unfiltered" in results else None
+  if ref_mode and "dora_pace" in results:
+    a_u, d_p = results[ref_mode], results["dora_pace"]
+    print(f"dora_pace / async_unfiltered trained tokens/s: "
+          f"{d_p['trained_tokens_per_s'] / max(a_u['trained_tokens_per_s'], 1e-9):.2f}x")
   if "sync" in results:
     print(f"\nsync spends {results['sync']['bubble_ratio']:.0%} of its step waiting for rollout"
           " (the learner's bubble is exactly the rollout share there).")

@@ -9,8 +9,9 @@ time; DORA keeps the rollout on its own version and re-prefills nothing.
 
 * ``padded_repeat`` prompts: a passage of 160-300 characters before the
   instruction (a few hundred tokens);
-* answers up to 2047 tokens on a heavy power law (``length_alpha=1.1``:
-  median ~5, p90 ~100, p99 ~900), generated exactly (``length_mode="answer"``,
+* answers up to 2047 tokens on a heavy power law (``length_alpha=1.1``,
+  measured over 2000 prompts: mean 183, p50 15, p90 670, p99 1830),
+  generated exactly (``length_mode="answer"``,
   EOS ignored) so every mode sees the same work;
 * small steps (4 groups of 8) so the policy is published often.
 
