@@ -375,3 +375,45 @@ def test_ignore_eos_generates_exactly_the_budget(setup):
   assert all(len(toks[r]) == n and col.terminal[r].finish_reason == "length" for r, n in budgets.items())
   # The random policy did sample EOS mid-sequence (else this test proves nothing).
   assert any((t[:-1] == TOK.eos_id).any() for t in toks.values())
+
+
+def test_group_members_share_one_prefill_and_stay_exact(setup):
+  """Four members of a GRPO group and two other prompts submitted together: the
+  server computes the group's prompt once (its status says so), every member
+  samples its own tokens, and every log-prob, read through the overlapped loop,
+  equals the full forward of the version that generated it."""
+  _, publisher, params, driver = setup
+  publisher.publish(1, params[1])
+  driver.load_version(1)
+  # Hold the loop in a callback so all six requests queue up and are
+  # admitted in one round.
+  col = Collector(driver)
+  col.submit(api.RolloutRequest("hold", _prompt(9), max_new_tokens=2, ignore_eos=True))
+  reached, release = col.gate("hold", 1)
+  reached.wait(30)
+  before = driver.status()
+  group = TOK.encode("rep 3 ab:", is_bos=True)[0]
+  reqs = [api.RolloutRequest(f"g{i}", group, max_new_tokens=12, ignore_eos=True) for i in range(4)]
+  reqs += [api.RolloutRequest(f"o{i}", _prompt(i), max_new_tokens=12, ignore_eos=True)
+           for i in range(2)]
+  for r in reqs:
+    col.submit(r)
+  release.set()
+  col.wait(lambda: all(r.request_id in col.terminal for r in reqs))
+  after = driver.status()
+  requested = after.prefill_requested_tokens - before.prefill_requested_tokens
+  computed = after.prefill_computed_tokens - before.prefill_computed_tokens
+  # At most 3 of the 4 slots were free when the round ran (4 slots, "hold"
+  # may still hold one): count what was admitted together rather than assume.
+  assert requested == 4 * len(group) + len(_prompt(0)) + len(_prompt(1))
+  assert computed < requested, (computed, requested)
+  results = {r.request_id: col.terminal[r.request_id] for r in reqs}
+  assert len({tuple(results[f"g{i}"].completion_tokens) for i in range(4)}) > 1
+  for r in reqs:
+    res = results[r.request_id]
+    assert res.finish_reason == "length" and len(res.completion_tokens) == 12
+    seq = np.concatenate([r.prompt_tokens, res.completion_tokens])
+    logp = _full_logp(params[1], seq)
+    n = len(r.prompt_tokens)
+    np.testing.assert_allclose(res.logprobs, logp[np.arange(n - 1, len(seq) - 1), seq[n:]],
+                               atol=1e-4)

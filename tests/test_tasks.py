@@ -123,3 +123,23 @@ def test_mixture_follows_weights_and_scores_any_member():
     TaskMixture(["repeat"], [1.0, 2.0])
   with pytest.raises(ValueError):
     TaskMixture(["repeat", "add"], [0.0, 0.0])
+
+
+def test_padded_repeat_puts_a_long_passage_before_the_repeat_instruction():
+  """The long-context workload's task: prompt fills half to all of max_prompt_len,
+  the answer is the repeat instruction's (hand-checked), lengths long-tailed to
+  thousands of tokens."""
+  task = get_task("padded_repeat", max_answer_len=2047, max_prompt_len=300, alpha=1.1)
+  prompts = _prompts(task.make_prompt, 400)
+  for p in prompts:
+    passage, instruction = p.text.rsplit(" rep ", 1)
+    count, unit = instruction[:-1].split(" ")
+    assert p.answer == unit * int(count) and len(unit) in (1, 2, 3)
+    assert len(passage) == p.meta["passage_len"] and 300 // 2 - 12 <= len(p.text) <= 300
+    assert set(p.text) <= ALLOWED_CHARS
+    assert task.score(p, p.answer) == 1.0
+  lengths = np.asarray([len(p.answer) for p in prompts])
+  assert np.median(lengths) < 64 and lengths.max() > 500
+  with pytest.raises(ValueError, match="no room"):
+    get_task("padded_repeat", max_answer_len=2047, max_prompt_len=8).make_prompt(
+        0, np.random.default_rng(0))
