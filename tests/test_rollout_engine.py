@@ -288,11 +288,19 @@ def _batched_groups(engine, ps, steps):
   return contexts, pins, toks, lps, works
 
 
-@pytest.mark.parametrize("decode_attention", ["blocked", "dense"])
-def test_batched_shared_prefill_then_decode_matches_full_forward(decode_attention):
+def _assert_matches_full_forward(contexts, pins, ps, toks, lps):
+  for s, ctx in contexts.items():
+    seq = np.concatenate([ctx, toks[s]]).astype(np.int32)
+    logp = _full_logp(ps[pins[s]], seq)
+    n = len(ctx)
+    np.testing.assert_array_equal(toks[s], logp[n - 1:len(seq) - 1].argmax(-1))
+    np.testing.assert_allclose(lps[s], logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=1e-4)
+
+
+def test_batched_shared_prefill_then_decode_matches_full_forward():
   """Groups sharing a prompt are prefilled once (the work counts say so), every
   member's tokens and log-probs equal its own version's full forward pass."""
-  engine = _engine(temperature=0.0, num_slots=6, decode_attention=decode_attention)
+  engine = _engine(temperature=0.0, num_slots=6)
   ps = {v: engine.place_params(init_params(CFG, jax.random.PRNGKey(50 + v))) for v in (1, 2)}
   contexts, pins, toks, lps, works = _batched_groups(engine, ps, steps=6)
   v1, v2 = works
@@ -301,12 +309,7 @@ def test_batched_shared_prefill_then_decode_matches_full_forward(decode_attentio
   assert v1.requested_tokens == 3 * len(contexts[0]) + len(contexts[3])
   assert v1.calls == 2  # two length buckets
   assert v2.requests == 2 and v2.computed_tokens == len(contexts[4]) and v2.calls == 1
-  for s, ctx in contexts.items():
-    seq = np.concatenate([ctx, toks[s]]).astype(np.int32)
-    logp = _full_logp(ps[pins[s]], seq)
-    n = len(ctx)
-    np.testing.assert_array_equal(toks[s], logp[n - 1:len(seq) - 1].argmax(-1))
-    np.testing.assert_allclose(lps[s], logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=1e-4)
+  _assert_matches_full_forward(contexts, pins, ps, toks, lps)
 
 
 def test_shared_prefill_members_sample_their_own_tokens():
@@ -324,12 +327,16 @@ def test_shared_prefill_members_sample_their_own_tokens():
     np.testing.assert_allclose(lps[s], logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=1e-4)
 
 
-def test_sharing_off_prefills_every_member():
-  engine = _engine(temperature=0.0, num_slots=6, share_prompt_prefill=False)
+def test_dense_attention_without_sharing_prefills_every_member_and_stays_exact():
+  """The previous decode path (whole-cache attention, whole-row gathers) with
+  sharing off: every member is computed, and the result is as exact."""
+  engine = _engine(temperature=0.0, num_slots=6, share_prompt_prefill=False,
+                   decode_attention="dense")
   ps = {v: engine.place_params(init_params(CFG, jax.random.PRNGKey(50 + v))) for v in (1, 2)}
-  contexts, _, toks, _, works = _batched_groups(engine, ps, steps=2)
+  contexts, pins, toks, lps, works = _batched_groups(engine, ps, steps=4)
   assert works[0].computed_tokens == works[0].requested_tokens == 3 * len(contexts[0]) + len(contexts[3])
   assert toks[0] == toks[1] == toks[2]  # greedy: same prompt, same tokens either way
+  _assert_matches_full_forward(contexts, pins, ps, toks, lps)
 
 
 def test_bf16_model_keeps_a_bf16_cache():

@@ -445,15 +445,18 @@ class DoraEngine(engine_api.Engine):
   def prefill_rows(self, length: int) -> tuple[int, ...]:
     """Row buckets of a batched prefill at padded length ``length``.
 
-    Powers of two up to the slots, capped so one call holds at most
-    ``prefill_batch_tokens`` tokens (a long resumed context prefills alone
-    rather than padding a batch of short prompts to its length).
+    Powers of four up to the slots (few compiles: ``warmup`` compiles each
+    bucket at every length; a round's distinct contexts are few when GRPO
+    groups share prompts, and padded rows cost prefill, not decode), capped
+    so one call holds at most ``prefill_batch_tokens`` tokens (a long resumed
+    context prefills alone rather than padding a batch of short prompts to
+    its length).
     """
     cap = max(1, min(self._num_slots, self._prefill_batch_tokens // max(1, int(length))))
     out, u = [], 1
     while u < cap:
       out.append(u)
-      u *= 2
+      u *= 4
     out.append(cap)
     return tuple(sorted(set(out)))
 
