@@ -122,15 +122,23 @@ def plot_runs(run_dirs: Sequence[str], out_png: str) -> list[tuple[str, list, di
     ax.set_title(title)
     ax.set_xlabel("wall clock (s)")
     ax.set_ylabel(ylabel)
-  for ax in axes.flat:
+  save_figure(fig, axes.flat, out_png, dpi=90)
+  return runs
+
+
+def save_figure(fig, axes, out: str, dpi: int) -> None:
+  """Grid and legend on every panel, then writes ``out`` (its folder created)
+  and closes the figure (the report and ``scripts/plot_metrics.py`` share it)."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  for ax in axes:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=8)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-  fig.savefig(out_png, dpi=90)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out, dpi=dpi)
   plt.close(fig)
-  return runs
 
 
 def headline(recs: Sequence[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:

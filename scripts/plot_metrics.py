@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-imp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # pylint: disable-next=g-import-not-at-top,wrong-import-position
 from jax_dora.metrics.jsonl import read_metrics
+from jax_dora.report import save_figure
 
 PANELS = (
     ("reward_mean", "train reward (mean)"),
@@ -85,13 +86,7 @@ def plot(runs: list[tuple[str, str]], out: str,
   for ax, (_, title) in zip(axes.flat, panels):
     ax.set_title(title)
     ax.set_xlabel("wall time (s)")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=8)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=100)
-  plt.close(fig)
+  save_figure(fig, list(axes.flat)[:len(panels)], out, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> None:
