@@ -43,7 +43,8 @@ def get_config():
   c.learner.update(dict(
       num_devices=4, mesh_data=1, mesh_fsdp=-1, group_size=8, groups_per_step=16,
       learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, grad_clip=1.0, kl_coef=0.0,
-      micro_batch_size=32, logprob_chunk_size=256, remat="dots", seq_len_buckets="384,640"))
+      micro_batch_size=32, group_micro_batches_by_length=True, logprob_chunk_size=256,
+      remat="dots", seq_len_buckets="384,640"))
   c.orchestrator.max_staleness = 4
   c.pace.target_pool_groups = 16
   c.pace.max_budget = 8

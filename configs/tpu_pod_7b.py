@@ -11,7 +11,8 @@ and the tokenizer), so copy it there first, e.g.
 Sizing (v5e, 16 GiB HBM per chip):
   * learner: float32 params + Adam moments of 7.6B params = 122 GB, FSDP over
     every chip of a v5litepod-64 (~1.9 GB/chip) plus bf16 activations with
-    remat, 16-row micro-batches and 512-position log-prob chunks;
+    remat, 64-row micro-batches cut by length (each padded to its own
+    bucket) and 512-position log-prob chunks;
   * rollout: bf16 weights (15 GB) split 4 ways by tensor parallelism over a
     worker's 4 chips, KV cache of 128 slots x 2,560 tokens (4 KV heads x 128
     dims x 28 layers x 2 bytes x 2 = 57 KB/token: 18.7 GB over 4 chips).
@@ -47,7 +48,8 @@ def get_config():
   c.learner.update(dict(
       num_devices=-1, mesh_data=1, mesh_fsdp=-1, mesh_tensor=1, group_size=16,
       groups_per_step=32, learning_rate=1e-6, warmup_steps=20, grad_clip=1.0,
-      micro_batch_size=64, logprob_chunk_size=512, remat="full",
+      micro_batch_size=64, group_micro_batches_by_length=True, logprob_chunk_size=512,
+      remat="full",
       seq_len_buckets="1024,1536,2048"))
   c.orchestrator.max_staleness = 4
   c.pace.target_pool_groups = 32

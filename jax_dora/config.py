@@ -148,6 +148,11 @@ def base_config() -> ml_collections.ConfigDict:
           # Rows per forward/backward pass; gradients of the micro-batches are
           # accumulated into one optimizer step (0 = the whole batch at once).
           micro_batch_size=0,
+          # Cut the micro-batches from the rows sorted by length, each padded
+          # to its own seq_len bucket (one jitted call per micro-batch): with
+          # long-tailed answers the short rows stop paying for the longest
+          # one. Same update; needs micro_batch_size > 0.
+          group_micro_batches_by_length=False,
           # Per-block rematerialisation: none | full | dots | dots_no_batch.
           remat="none",
           # Training rows are padded to the smallest of these lengths that
@@ -511,6 +516,9 @@ def _validate_loss(c: ml_collections.ConfigDict) -> None:
   if lc.micro_batch_size and lc.micro_batch_size < mini and mini % lc.micro_batch_size:
     raise ConfigError(f"config.learner.micro_batch_size={lc.micro_batch_size} does not divide"
                       f" a minibatch of {mini} trajectories (batch / ppo_minibatches)")
+  if lc.group_micro_batches_by_length and not lc.micro_batch_size:
+    raise ConfigError("config.learner.group_micro_batches_by_length needs"
+                      " config.learner.micro_batch_size > 0 (the rows of one micro-batch)")
   if lc.dynamic_sampling_max_draws < 1:
     raise ConfigError("config.learner.dynamic_sampling_max_draws must be >= 1")
   if lc.mask_truncated and c.rollout.length_mode == "answer":

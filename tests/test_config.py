@@ -73,6 +73,10 @@ def test_real_model_settings_are_validated():
   c.learner.micro_batch_size = 5
   with pytest.raises(ConfigError, match="micro_batch_size=5 does not divide"):
     validate(c)
+  c.learner.micro_batch_size = 0
+  c.learner.group_micro_batches_by_length = True
+  with pytest.raises(ConfigError, match="group_micro_batches_by_length needs"):
+    validate(c)
 
 
 def test_hf_path_on_the_tiny_config_is_a_clear_input_error(hf_dirs):

@@ -234,3 +234,94 @@ def test_make_batch_token_staleness_and_truncated_rows():
   np.testing.assert_array_equal(b["token_staleness"][0], [0, 3, 3, 1, 0, 0, 0])
   np.testing.assert_array_equal(b["mask"][1], np.zeros(7))  # truncated: no gradient
   np.testing.assert_array_equal(b["mask"][0], [0, 1, 1, 1, 0, 0, 0])
+
+
+def test_length_groups_sort_rows_and_pick_each_micro_batch_its_bucket():
+  """Rows needing 10, 2, 0, 5, 23, 3 positions (by hand: one past the last
+  trained target), 2 rows per micro-batch, buckets 8/16/24 -> 7/15/23 positions:
+  sorted {2, 1} -> 7, {5, 3} -> 7, {0, 4} -> 23 (row 4 needs all 23)."""
+  from jax_dora.learner.length_groups import (
+    needed_positions,
+    plan_micro_batches,
+    take_micro_batch,
+  )
+
+  mask = np.zeros((6, 23), np.float32)
+  for row, (start, stop) in enumerate([(4, 10), (0, 2), (0, 0), (3, 5), (20, 23), (1, 3)]):
+    mask[row, start:stop] = 1.0
+  mask[0, 6] = 0.0  # a hole inside a row does not shorten it
+  np.testing.assert_array_equal(needed_positions(mask), [10, 2, 0, 5, 23, 3])
+  plan = plan_micro_batches(mask, 2, (8, 16, 24))
+  assert [(m.rows.tolist(), m.positions) for m in plan] == [([1, 2], 7), ([3, 5], 7), ([0, 4], 23)]
+  # Buckets above the batch's own length are capped at it.
+  assert plan_micro_batches(mask[:, :12][[1, 2]], 2, (8, 16))[0].positions == 7
+  assert plan_micro_batches(mask[:, :12], 3, (16, 24))[-1].positions == 12
+  cut = take_micro_batch({"mask": mask, "advantages": np.arange(6.0)}, plan[1])
+  assert cut["mask"].shape == (2, 7) and cut["advantages"].tolist() == [3.0, 5.0]
+  with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+    plan_micro_batches(mask, 4, (8,))
+
+
+def _long_tailed_batch(rng, model_cfg, batch):
+  """Prompts of 3-4 tokens and answers of 1-4 (at most 7 positions), except one
+  answer of 16 (a long tail: up to 19 positions)."""
+  trajs = []
+  for i in range(batch):
+    p = rng.integers(3, model_cfg.vocab_size, size=rng.integers(2, 4))
+    c = rng.integers(3, model_cfg.vocab_size, size=16 if i == 5 else rng.integers(1, 5))
+    trajs.append(_traj(i // 2, i % 2, np.concatenate([[1], p]), c, -rng.random(len(c)) * 3))
+  adv = group_advantages(rng.random(batch), group_size=2)
+  return make_batch(trajs, adv, model_cfg.max_seq_len)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    # Normalisers over sequences, max/min metrics, a KL reference, and two
+    # minibatch updates with the proximal policy recomputed per micro-batch.
+    {"loss": "decoupled_ppo", "is_correction": "tis", "tis_cap": 1.1, "kl_coef": 0.05,
+     "loss_aggregation": "seq_mean_token_mean", "ppo_minibatches": 2},
+])
+def test_length_grouped_micro_batches_equal_the_fused_step(overrides):
+  """Two steps with micro-batches cut by length and padded to their own bucket
+  give the fused step's losses, metrics and parameters, computing fewer positions."""
+  cfg = base_config()
+  cfg.learner.warmup_steps = 1
+  cfg.learner.seq_len_buckets = "8,12,16"
+  cfg.learner.update(overrides)
+  model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                          d_ff=64, max_seq_len=24)
+  mesh = make_mesh(jax.devices()[:2])
+  fused = Learner(model_cfg, cfg.learner, mesh, seed=7)
+  grouped_cfg = cfg.learner.copy_and_resolve_references()
+  grouped_cfg.update(micro_batch_size=2, group_micro_batches_by_length=True)
+  grouped = Learner(model_cfg, grouped_cfg, mesh, seed=7)
+  rng = np.random.default_rng(3)
+  for _ in range(2):
+    batch = _long_tailed_batch(rng, model_cfg, 8)
+    a, b = fused.train_step(batch), grouped.train_step(batch)
+    for k in ("loss", "grad_norm", "pg_loss", "clip_frac", "ratio_mean", "is_weight_max",
+              "is_weight_min", "kl", "mismatch/kl_k3"):
+      np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert a["positions_computed"] == 8 * 23
+    # 6 short rows in three 7-position micro-batches, the long one's pair at 23.
+    assert b["positions_computed"] == 3 * 2 * 7 + 2 * 23
+  assert grouped.step == fused.step == 2
+  for x, y in zip(jax.tree.leaves(fused.params), jax.tree.leaves(grouped.params)):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+
+
+def test_length_grouped_warmup_compiles_every_bucket_ahead_of_time():
+  from _compiles import count_compiles  # pylint: disable=g-import-not-at-top
+
+  cfg = base_config()
+  cfg.learner.update(micro_batch_size=2, group_micro_batches_by_length=True, seq_len_buckets="8,16")
+  model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=24)
+  learner = Learner(model_cfg, cfg.learner, make_mesh(jax.devices()[:2]), seed=5)
+  learner.warmup(8, (8, 16, 24))
+  rng = np.random.default_rng(2)
+  with count_compiles() as seen:
+    learner.train_step(_long_tailed_batch(rng, model_cfg, 8))
+  assert seen == [], "length-grouped train step compiled after warmup"
+  with pytest.raises(ValueError, match="multiple of the 2 data x fsdp"):
+    cfg.learner.micro_batch_size = 1
+    Learner(model_cfg, cfg.learner, make_mesh(jax.devices()[:2]), seed=5)

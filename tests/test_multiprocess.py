@@ -179,7 +179,8 @@ def test_two_learner_processes_train_like_one(tmp_path):
   train steps, publishes and checkpoints on the identical global batch. The
   run must finish a ``dora_pace`` run with a clean audit, and its per-step
   losses must equal a one-process learner's (same devices count and mesh
-  shape, built here) replaying the exact batches the run trained on.
+  shape, built here, fused step) replaying the exact batches the run trained
+  on with length-grouped micro-batches.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -216,6 +217,11 @@ def test_two_learner_processes_train_like_one(tmp_path):
       "--config.eval.at_start=False", "--config.progress_bar=False",
       "--config.checkpoint.every_steps=2",
       f"--config.learner.dump_batches_dir={batches}",
+      # The multi-process step runs length-grouped micro-batches (a host loop
+      # of jitted calls every process must take identically); the replay
+      # below is the fused one-process step.
+      "--config.learner.micro_batch_size=4",
+      "--config.learner.group_micro_batches_by_length=True",
   ] + common
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              XLA_FLAGS="--xla_force_host_platform_device_count=2")

@@ -23,7 +23,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dora.learner.losses import BatchTotals, LossSettings, loglinear_proximal, policy_loss
+from jax_dora.learner.batching import parse_buckets
+from jax_dora.learner.length_groups import plan_micro_batches, take_micro_batch
+from jax_dora.learner.losses import (
+  BatchTotals,
+  LossSettings,
+  loglinear_proximal,
+  policy_loss,
+)
 from jax_dora.learner.mesh import LOGICAL_AXIS_RULES
 from jax_dora.model import ModelConfig, Transformer, chunked_token_logprobs, head_weight
 
@@ -86,7 +93,11 @@ class Learner:
   ``learner.logprob_chunk_size`` positions (never the full ``[B, T, V]``
   logits), the batch can be split into ``learner.micro_batch_size`` rows with
   gradients accumulated in a ``lax.scan``, and ``learner.remat`` chooses
-  what each block keeps for the backward pass. Optimizer moments (Adam's mu
+  what each block keeps for the backward pass. With
+  ``learner.group_micro_batches_by_length`` the micro-batches are cut from the
+  rows sorted by length, each padded to its own bucket, and run as one jitted
+  call each (``length_groups``): the same update, without every row paying
+  for the batch's longest answer. Optimizer moments (Adam's mu
   and nu) take the dtype of the params they belong to: ``model.param_dtype``.
 
   Args:
@@ -129,6 +140,15 @@ class Learner:
     self.use_ref = learner_cfg.kl_coef > 0.0
     self.loss_settings = LossSettings.from_config(learner_cfg, default_norm_length=model_cfg.max_seq_len)
     self.ppo_minibatches = max(1, int(learner_cfg.get("ppo_minibatches", 1)))
+    self.group_by_length = bool(learner_cfg.get("group_micro_batches_by_length", False))
+    if self.group_by_length and self.micro_batch <= 0:
+      raise ValueError("learner.group_micro_batches_by_length needs learner.micro_batch_size > 0")
+    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    if self.group_by_length and self.micro_batch % batch_devices:
+      raise ValueError(f"learner.micro_batch_size={self.micro_batch} must be a multiple of the"
+                       f" {batch_devices} data x fsdp devices the rows are sharded over")
+    self.seq_len_buckets = parse_buckets(str(learner_cfg.get("seq_len_buckets", "")),
+                                         model_cfg.max_seq_len)
 
     rng = jax.random.PRNGKey(seed)
     abstract = jax.eval_shape(self._init_boxed_state, rng)
@@ -152,6 +172,27 @@ class Learner:
         out_shardings=(self.state_sharding, self.replicated),
         donate_argnums=(0,),
     )
+    # The length-grouped step: one call per micro-batch, then one update.
+    params_sharding = self.state_sharding.params
+    ref_sharding = self.state_sharding.ref_params
+    self._micro_grads_fn = jax.jit(
+        self._micro_gradients,
+        in_shardings=(params_sharding, self.batch_sharding, ref_sharding, self.replicated),
+        out_shardings=(self.replicated, self.replicated, params_sharding))
+    self._micro_accumulate_fn = jax.jit(
+        self._micro_accumulate,
+        in_shardings=(params_sharding, self.batch_sharding, ref_sharding, self.replicated,
+                      (self.replicated, params_sharding)),
+        out_shardings=((self.replicated, params_sharding), self.replicated),
+        donate_argnums=(4,))
+    self._apply_fn = jax.jit(
+        self._apply_gradients, static_argnums=(2,),
+        in_shardings=(self.state_sharding, params_sharding),
+        out_shardings=(self.state_sharding, self.replicated),
+        donate_argnums=(0,))
+    self._logprobs_fn = jax.jit(
+        self._trained_logprobs, in_shardings=(params_sharding, self.batch_sharding),
+        out_shardings=self.batch_sharding)
 
   # -- construction ---------------------------------------------------------
   def _init_boxed_state(self, rng: jax.Array) -> TrainState:
@@ -299,6 +340,75 @@ class Learner:
                                          metrics["is_weight_min"])
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+  # -- length-grouped step (host loop over micro-batches) ---------------------
+  def _micro_gradients(self, params, micro, ref_params, totals: BatchTotals):
+    (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
+        params, micro, ref_params, totals)
+    return loss, metrics, grads
+
+  def _micro_accumulate(self, params, micro, ref_params, totals, acc):
+    loss, metrics, grads = self._micro_gradients(params, micro, ref_params, totals)
+    return (acc[0] + loss, jax.tree.map(jnp.add, acc[1], grads)), metrics
+
+  def _apply_gradients(self, state: TrainState, grads, bump_step: bool):
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    step = state.step + 1 if bump_step else state.step
+    return state.replace(step=step, params=params, opt_state=opt_state), optax.global_norm(grads)
+
+  def _micro_plan(self, mask: np.ndarray):
+    return plan_micro_batches(mask, min(self.micro_batch, len(mask)), self.seq_len_buckets)
+
+  def _grouped_proximal(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """The current version's log-probs of every row, micro-batch by micro-batch."""
+    out = np.zeros_like(batch["mask"])
+    for micro in self._micro_plan(batch["mask"]):
+      logp = self._logprobs_fn(self.state.params, self.put_batch(take_micro_batch(batch, micro)))
+      out[micro.rows, :micro.positions] = np.asarray(jax.device_get(logp))
+    return out
+
+  def _grouped_train_step(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The fused step's update, run as one jitted call per length-grouped micro-batch.
+
+    Returns host metrics (the fused step's keys; ``positions_computed`` counts
+    the positions the train passes ran, the fused step's is rows x positions);
+    ``self.state`` holds the new version.
+    """
+    k = self.ppo_minibatches
+    if k > 1 and self.loss_settings.needs_proximal and self.loss_settings.proximal == "recompute":
+      batch = dict(batch, proximal_logprobs=self._grouped_proximal(batch))
+    per_update, computed = [], 0
+    for i in range(k):
+      mini = {key: np.asarray(v)[i::k] for key, v in batch.items()} if k > 1 else batch
+      totals = jax.device_put(
+          BatchTotals.of(np.asarray(mini["mask"]), np.asarray(mini["token_staleness"]), xp=np),
+          self.replicated)
+      acc, micro_metrics = None, []
+      for micro in self._micro_plan(mini["mask"]):
+        placed = self.put_batch(take_micro_batch(mini, micro))
+        computed += len(micro.rows) * micro.positions
+        if acc is None:
+          loss, metrics, grads = self._micro_grads_fn(self.state.params, placed,
+                                                      self.state.ref_params, totals)
+          acc = (loss, grads)
+        else:
+          acc, metrics = self._micro_accumulate_fn(self.state.params, placed,
+                                                   self.state.ref_params, totals, acc)
+        micro_metrics.append(metrics)
+      loss, grads = acc
+      self.state, grad_norm = self._apply_fn(self.state, grads, i == k - 1)
+      per_update.append((micro_metrics, loss, grad_norm))
+    updates = []
+    for micro_metrics, loss, grad_norm in jax.device_get(per_update):
+      stacked = {key: np.stack([m[key] for m in micro_metrics]) for key in micro_metrics[0]}
+      updates.append(dict(self._reduce_metrics(stacked, np.sum), loss=loss, grad_norm=grad_norm))
+    metrics = self._reduce_metrics({key: np.stack([u[key] for u in updates]) for key in updates[0]},
+                                   np.mean)
+    if np.isposinf(metrics["is_weight_min"]):
+      metrics["is_weight_min"] = 0.0
+    metrics["positions_computed"] = computed
+    return metrics
+
   def warmup(self, batch_rows: int, seq_lens: Sequence[int]) -> None:
     """Compiles the train step for every ``[batch_rows, seq_len]`` shape ahead of time.
 
@@ -309,8 +419,33 @@ class Learner:
     the (donated) state is untouched; the executables land in JAX's
     compilation cache that later calls hit.
     """
+    if self.group_by_length:
+      self._compile_grouped(batch_rows // self.ppo_minibatches, seq_lens)
+      return
     for seq_len in sorted(set(int(s) for s in seq_lens)):
       self.compile_step(batch_rows, seq_len)
+
+  def _compile_grouped(self, minibatch_rows: int, seq_lens: Sequence[int]) -> None:
+    """The length-grouped step's programs: per-micro-batch ones for every bucket."""
+    rows = min(self.micro_batch, minibatch_rows)
+    params = self.state.params
+    scalar = jax.ShapeDtypeStruct((), np.float32, sharding=self.replicated)
+    totals = BatchTotals(*(scalar for _ in BatchTotals._fields))
+    grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    loss = scalar
+    for seq_len in sorted(set(int(s) for s in seq_lens)):
+      micro = {key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+               for key, (shape, dtype) in batch_shapes(rows, seq_len).items()}
+      settings = self.loss_settings
+      if self.ppo_minibatches > 1 and settings.needs_proximal and settings.proximal == "recompute":
+        self._logprobs_fn.lower(params, micro).compile()
+        micro["proximal_logprobs"] = micro["mask"]
+      self._micro_grads_fn.lower(params, micro, self.state.ref_params, totals).compile()
+      self._micro_accumulate_fn.lower(params, micro, self.state.ref_params, totals,
+                                      (loss, grads)).compile()
+    # Only the last minibatch update of a step bumps the step counter.
+    for bump_step in (True,) if self.ppo_minibatches == 1 else (False, True):
+      self._apply_fn.lower(self.state, grads, bump_step).compile()
 
   def compile_step(self, batch_rows: int, seq_len: int) -> Any:
     """The compiled train step for ``[batch_rows, seq_len]`` rows (nothing runs).
@@ -347,8 +482,12 @@ class Learner:
     silently poisons every later step (and every published version) while
     the run still looks healthy from the outside.
     """
-    self.state, metrics = self._step_fn(self.state, self.put_batch(batch))
-    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if self.group_by_length:
+      metrics = self._grouped_train_step(batch)
+    else:
+      self.state, metrics = self._step_fn(self.state, self.put_batch(batch))
+      metrics = dict(jax.device_get(metrics), positions_computed=np.size(batch["mask"]))
+    out = {k: float(v) for k, v in metrics.items()}
     bad = {k: v for k, v in out.items() if not math.isfinite(v)}
     if bad:
       raise TrainingDivergedError(

@@ -34,13 +34,15 @@ class BatchTotals(NamedTuple):
   stale_tokens: jax.Array  # tokens sampled by an older version
 
   @classmethod
-  def of(cls, mask: jax.Array, token_staleness: jax.Array) -> BatchTotals:
-    mask = mask.astype(jnp.float32)
+  def of(cls, mask: jax.Array, token_staleness: jax.Array, xp=jnp) -> BatchTotals:
+    """Totals of a batch; ``xp=numpy`` computes them on the host (the
+    length-grouped learner step, whose micro-batches never see the whole batch)."""
+    mask = mask.astype(xp.float32)
     fresh = (mask * (token_staleness <= 0)).sum()
     return cls(
-        tokens=jnp.maximum(mask.sum(), 1.0),
-        sequences=jnp.maximum((mask.sum(-1) > 0).sum().astype(jnp.float32), 1.0),
-        rows=jnp.asarray(mask.shape[0], jnp.float32),
+        tokens=xp.maximum(mask.sum(), xp.float32(1.0)),
+        sequences=xp.maximum((mask.sum(-1) > 0).sum().astype(xp.float32), xp.float32(1.0)),
+        rows=xp.asarray(mask.shape[0], xp.float32),
         fresh_tokens=fresh,
         stale_tokens=mask.sum() - fresh,
     )
