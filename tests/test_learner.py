@@ -274,20 +274,19 @@ def _long_tailed_batch(rng, model_cfg, batch):
   return make_batch(trajs, adv, model_cfg.max_seq_len)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    # Normalisers over sequences, max/min metrics, a KL reference, and two
-    # minibatch updates with the proximal policy recomputed per micro-batch.
-    {"loss": "decoupled_ppo", "is_correction": "tis", "tis_cap": 1.1, "kl_coef": 0.05,
-     "loss_aggregation": "seq_mean_token_mean", "ppo_minibatches": 2},
-])
-def test_length_grouped_micro_batches_equal_the_fused_step(overrides):
+def test_length_grouped_micro_batches_equal_the_fused_step():
   """Two steps with micro-batches cut by length and padded to their own bucket
-  give the fused step's losses, metrics and parameters, computing fewer positions."""
+  give the fused step's losses, metrics and parameters, computing fewer
+  positions, and compile nothing after ``warmup``. With normalisers over
+  sequences, max/min metrics, a KL reference, and two minibatch updates whose
+  proximal policy is recomputed micro-batch by micro-batch (the plain grpo,
+  one-update case runs in test_multiprocess's two-learner run)."""
+  from _compiles import count_compiles  # pylint: disable=g-import-not-at-top
+
   cfg = base_config()
-  cfg.learner.warmup_steps = 1
-  cfg.learner.seq_len_buckets = "8,12,16"
-  cfg.learner.update(overrides)
+  cfg.learner.update(warmup_steps=1, seq_len_buckets="8", loss="decoupled_ppo",
+                     is_correction="tis", tis_cap=1.1, kl_coef=0.05,
+                     loss_aggregation="seq_mean_token_mean", ppo_minibatches=2)
   model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                           d_ff=64, max_seq_len=24)
   mesh = make_mesh(jax.devices()[:2])
@@ -295,33 +294,24 @@ def test_length_grouped_micro_batches_equal_the_fused_step(overrides):
   grouped_cfg = cfg.learner.copy_and_resolve_references()
   grouped_cfg.update(micro_batch_size=2, group_micro_batches_by_length=True)
   grouped = Learner(model_cfg, grouped_cfg, mesh, seed=7)
+  grouped.warmup(8, (8, 24))
   rng = np.random.default_rng(3)
   for _ in range(2):
     batch = _long_tailed_batch(rng, model_cfg, 8)
-    a, b = fused.train_step(batch), grouped.train_step(batch)
+    a = fused.train_step(batch)
+    with count_compiles() as compiled:
+      b = grouped.train_step(batch)
+    assert compiled == [], "length-grouped train step compiled after warmup"
     for k in ("loss", "grad_norm", "pg_loss", "clip_frac", "ratio_mean", "is_weight_max",
               "is_weight_min", "kl", "mismatch/kl_k3"):
       np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
     assert a["positions_computed"] == 8 * 23
-    # 6 short rows in three 7-position micro-batches, the long one's pair at 23.
-    assert b["positions_computed"] == 3 * 2 * 7 + 2 * 23
+    # Per minibatch of 4 rows: 3 short rows and the long one -> one pair at
+    # 7 positions and one at 23 (the long row's minibatch), or two pairs at 7.
+    assert b["positions_computed"] == 2 * 7 + 2 * 23 + 2 * 7 + 2 * 7
   assert grouped.step == fused.step == 2
   for x, y in zip(jax.tree.leaves(fused.params), jax.tree.leaves(grouped.params)):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
-
-
-def test_length_grouped_warmup_compiles_every_bucket_ahead_of_time():
-  from _compiles import count_compiles  # pylint: disable=g-import-not-at-top
-
-  cfg = base_config()
-  cfg.learner.update(micro_batch_size=2, group_micro_batches_by_length=True, seq_len_buckets="8,16")
-  model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=24)
-  learner = Learner(model_cfg, cfg.learner, make_mesh(jax.devices()[:2]), seed=5)
-  learner.warmup(8, (8, 16, 24))
-  rng = np.random.default_rng(2)
-  with count_compiles() as seen:
-    learner.train_step(_long_tailed_batch(rng, model_cfg, 8))
-  assert seen == [], "length-grouped train step compiled after warmup"
   with pytest.raises(ValueError, match="multiple of the 2 data x fsdp"):
-    cfg.learner.micro_batch_size = 1
-    Learner(model_cfg, cfg.learner, make_mesh(jax.devices()[:2]), seed=5)
+    grouped_cfg.micro_batch_size = 1
+    Learner(model_cfg, grouped_cfg, mesh, seed=5)
