@@ -77,33 +77,39 @@ def test_prefill_logits_match_transformers(hf_dirs, family):
   np.testing.assert_allclose(np.asarray(ours), ref, atol=2e-5, rtol=1e-4)
 
 
+# Versions 3 and 4 (and 2, except for qwen2's second checkpoint) are version 1's weights scaled.
+_SCALES = {2: 1.1, 3: 0.9, 4: 1.2}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_decode_matches_transformers_for_two_versions(hf_dirs, family):
-  """Greedy KV-cache decode through the engine (2-way tensor parallel, two live versions
+def test_engine_decode_matches_transformers_for_four_live_versions(hf_dirs, family):
+  """Greedy KV-cache decode through the engine (2-way tensor parallel, four live versions
   in one fused step, batched prefill with a shared-prompt pair, blocked attention over
   the live cache blocks) equals ``transformers``' forward: tokens are its argmax,
   log-probs its log-softmax, suppressed ids excluded."""
   import torch
 
-  other = hf_dirs["qwen2_b"] if family == "qwen2" else hf_dirs["qwen2"]
-  paths = {1: hf_dirs[family], 2: other if family == "qwen2" else hf_dirs[family]}
   tok = HFTokenizer(hf_dirs[family], "chat")
-  ckpts = {v: open_checkpoint(p) for v, p in paths.items()}
-  cfg = model_config_from_checkpoint(ckpts[1], max_seq_len=96)
-  engine = DoraEngine(cfg, tok, num_slots=4, max_prefill_length=32, temperature=0.0,
+  base = open_checkpoint(hf_dirs[family])
+  cfg = model_config_from_checkpoint(base, max_seq_len=96)
+  engine = DoraEngine(cfg, tok, num_slots=6, max_prefill_length=32, temperature=0.0,
                       devices=jax.devices()[4:6], tensor_parallel=2, attention_block=24)
-  params = {v: load_params(c, model_config_from_checkpoint(c, max_seq_len=96), engine.param_sharding)
-            for v, c in ckpts.items()}
-  if family != "qwen2":  # a second, different version of the same architecture
-    params[2] = jax.tree.map(lambda x: x * 1.1, params[1])
-  mv = MultiVersionParams(params, (1, 2))
+  params = {1: load_params(base, cfg, engine.param_sharding)}
+  for v, scale in _SCALES.items():
+    params[v] = jax.tree.map(lambda x, s=scale: x * s, params[1])
+  if family == "qwen2":  # a second, independently initialised checkpoint as version 2
+    other = open_checkpoint(hf_dirs["qwen2_b"])
+    params[2] = load_params(other, model_config_from_checkpoint(other, max_seq_len=96),
+                            engine.param_sharding)
+  mv = MultiVersionParams(params, (1, 2, 3, 4))
   prompts = [tok.encode_prompt(t) for t in ("What is 12 + 30?", "Natalia sold 48 clips.",
                                              "How many clips?")]
   prompts.append(prompts[0])  # slots 0 and 3: one prompt, prefilled once
-  pins = [1, 2, 1, 1]
+  prompts += [tok.encode_prompt(t) for t in ("Sum 7 and 8.", "Name a prime.")]
+  pins = [1, 2, 1, 1, 3, 4]
   state = engine.init_decode_state()
   out = {}
-  for v in (1, 2):
+  for v in (1, 2, 3, 4):
     slots = [s for s, pin in enumerate(pins) if pin == v]
     state, firsts, work = engine.prefill_insert_batch_async(
         params[v], v, [prompts[s] for s in slots], slots, state)
@@ -119,15 +125,15 @@ def test_engine_decode_matches_transformers_for_two_versions(hf_dirs, family):
       out[slot][1].append(float(res.get_logprobs_at_slot(slot)[0]))
 
   never = _never_sampled(hf_dirs[family], cfg.vocab_size)
-  torch_models = {1: _torch_model(paths[1])}
-  if family == "qwen2":
-    torch_models[2] = _torch_model(paths[2])
-  else:
-    m2 = _torch_model(paths[1])
+  torch_models = {}
+  for v in (1, 2, 3, 4):
+    if v == 2 and family == "qwen2":
+      torch_models[v] = _torch_model(hf_dirs["qwen2_b"])
+      continue
+    torch_models[v] = m = _torch_model(hf_dirs[family])
     with torch.no_grad():
-      for prm in m2.parameters():
-        prm.mul_(1.1)
-    torch_models[2] = m2
+      for prm in m.parameters():
+        prm.mul_(_SCALES.get(v, 1.0))
   for slot, (p, v) in enumerate(zip(prompts, pins)):
     toks, lps = out[slot]
     seq = np.concatenate([p, toks])
