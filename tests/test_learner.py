@@ -155,6 +155,24 @@ def test_chunked_logprobs_and_grads_equal_the_full_logits_path():
     np.testing.assert_allclose(g[1], g_full[1], atol=1e-4)
 
 
+def _assert_same_params(got, want, updates: int = 1) -> None:
+  """Parameters after ``updates`` Adam steps that should be the same update.
+
+  Adam divides each gradient element by its own running RMS, so an element
+  whose gradient is near zero turns summation-order rounding (another
+  micro-batch split, another CPU's vector width: this failed at 1.04e-5 on an
+  AMD EPYC machine with a 1e-5 tolerance) into an update difference that is a
+  visible share of the learning rate. What the same update promises is
+  every element within 1% of the learning rate per update: a dropped or
+  mis-weighted micro-batch turns gradient directions and moves elements by a
+  large share of the rate. (A batch-wide normaliser error, which Adam's
+  scale invariance hides here, is what the loss and grad_norm checks catch.)
+  """
+  atol = 0.01 * base_config().learner.learning_rate * updates
+  for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=atol)
+
+
 @pytest.mark.parametrize("overrides", [
     {"micro_batch_size": 2},
     # Also with a loss whose normalisers (sequences) and metrics (max/min
@@ -182,8 +200,7 @@ def test_micro_batched_chunked_remat_step_equals_plain_step(overrides):
   for k in ("loss", "grad_norm", "pg_loss", "clip_frac", "ratio_mean", "is_weight_max",
             "is_weight_min", "mismatch/kl_k3"):
     np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
-  for x, y in zip(jax.tree.leaves(plain.params), jax.tree.leaves(tuned.params)):
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+  _assert_same_params(tuned.params, plain.params)
 
 
 def _tiny_learner(**learner_overrides):
@@ -203,8 +220,7 @@ def test_ppo_minibatches_are_sequential_updates_on_interleaved_rows():
   for i in (0, 1):
     seq.train_step({k: v[i::2] for k, v in batch.items()})
   assert two.step == 1 and seq.step == 2  # one version, two optimizer updates
-  for x, y in zip(jax.tree.leaves(two.params), jax.tree.leaves(seq.params)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+  _assert_same_params(two.params, seq.params, updates=2)
 
 
 def test_decoupled_ppo_recomputes_proximal_from_the_current_version():
@@ -221,8 +237,7 @@ def test_decoupled_ppo_recomputes_proximal_from_the_current_version():
   assert abs(a["ratio_mean"] - 1.0) > 1e-6  # the second minibatch ran off the first's update
   for k in ("loss", "grad_norm", "ratio_mean"):
     np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
-  for x, y in zip(jax.tree.leaves(grpo.params), jax.tree.leaves(dec.params)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+  _assert_same_params(dec.params, grpo.params, updates=2)
 
 
 def test_make_batch_token_staleness_and_truncated_rows():
@@ -310,8 +325,7 @@ def test_length_grouped_micro_batches_equal_the_fused_step():
     # 7 positions and one at 23 (the long row's minibatch), or two pairs at 7.
     assert b["positions_computed"] == 2 * 7 + 2 * 23 + 2 * 7 + 2 * 7
   assert grouped.step == fused.step == 2
-  for x, y in zip(jax.tree.leaves(fused.params), jax.tree.leaves(grouped.params)):
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+  _assert_same_params(grouped.params, fused.params, updates=4)
   with pytest.raises(ValueError, match="multiple of the 2 data x fsdp"):
     grouped_cfg.micro_batch_size = 1
     Learner(model_cfg, grouped_cfg, mesh, seed=5)
