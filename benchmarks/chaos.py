@@ -73,6 +73,7 @@ class Server:
     log = open(self.logs / f"server{self.i}.{self.starts}.log", "wb")
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "jax_dora.rollout.server_main", "--config=configs/tiny.py",
+         "--config.precompile=False",
          "--host=127.0.0.1", "--grace_s=1", f"--config.rollout.port={self.port}",
          f"--config.snapshots.directory={self.snapshots}", "--config.rollout.slots=8",
          *[f"--config.model.{k}={v}" for k, v in _MODEL.items()], *self.extra],
@@ -110,6 +111,7 @@ class Learner:
     self.args, self.out, self.logs = args, out, logs
     self.cmd = [
         sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+        "--config.precompile=False",
         "--config.mode=dora_pace", f"--config.output_dir={out}",
         f"--config.snapshots.directory={snapshots}", f"--config.total_steps={args.steps}",
         "--config.role=learner", f"--config.rollout.server_addresses={addresses}",

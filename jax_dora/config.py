@@ -50,7 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10
   # Compile every shape the run can meet (learner length buckets, rollout
   # prefill buckets and 1..max_versions live versions) at start-up, so no step
-  # stalls on a compile mid-run. Off for tiny runs, where start-up dominates.
+  # stalls on a compile mid-run. Off here for the tests' few-step runs, where
+  # start-up dominates; every configs/*.py run sets it.
   c.precompile = False
   c.progress_bar = True
 

@@ -81,6 +81,18 @@ def configure_logging(verbosity: int | None, *, progress_bar: bool) -> None:
   setup_logging()
 
 
+def _tell_the_screen(message: str) -> None:
+  """A start-up line a quiet terminal shows too (INFO lines are hidden there).
+
+  Compiling every shape takes about a minute on a CPU before the progress bar
+  appears; a blank screen for that long reads as a hang.
+  """
+  if log.isEnabledFor(logging.INFO):
+    log.info("%s", message)
+  elif sys.stderr.isatty():
+    print(message, file=sys.stderr, flush=True)
+
+
 def setup_logging(level: int | None = None) -> None:
   """Readable one-line logs; quiets the chatty libraries we depend on."""
   level = _LOG_LEVEL if level is None else level
@@ -264,6 +276,8 @@ def run_training(
   if load is not None:
     log.info("loaded %s onto the learner mesh in %.1fs", policy.hf_path, time.time() - t0)
   if cfg.precompile:
+    _tell_the_screen("compiling the learner step and the rollout servers' decode before the clock"
+                     " starts (config.precompile) ...")
     t0 = time.time()
     learner.warmup(batch_rows, parse_buckets(str(cfg.learner.seq_len_buckets), cfg.model.max_seq_len))
     log.info("compiled the train step for every length bucket in %.1fs", time.time() - t0)

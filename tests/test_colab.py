@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_colab_notebook_runs(tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_DORA_NOTEBOOK_BUDGET_S", "25")
+  monkeypatch.setenv("JAX_DORA_NOTEBOOK_PRECOMPILE", "0")
   monkeypatch.setenv("JAX_DORA_NOTEBOOK_OUT", str(tmp_path))
   monkeypatch.setenv("MPLBACKEND", "Agg")
   nb = nbformat.read(ROOT / "colab" / "jax_dora_demo.ipynb", as_version=4)

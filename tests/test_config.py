@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def _run_train(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run(
-      [sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py", *args],
+      [sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+       "--config.precompile=False", *args],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
   )
 
@@ -48,6 +49,7 @@ def test_main_job_cli_runs_with_relative_output_dir(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, "-m", "jax_dora.train", f"--config={ROOT}/configs/tiny.py",
+       "--config.precompile=False",
        "--config.total_steps=2", "--config.output_dir=runs/cli", "--config.eval.num_prompts=8"],
       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
   )

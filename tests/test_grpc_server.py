@@ -85,7 +85,7 @@ class _Server:
     self.log_path = log_path
     args = [
         sys.executable, "-m", "jax_dora.rollout.server_main",
-        "--config=configs/tiny.py",
+        "--config=configs/tiny.py", "--config.precompile=False",
         "--host=127.0.0.1",
         "--grace_s=1",
         f"--config.rollout.port={self.port}",

@@ -84,12 +84,14 @@ def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
   ] + [f"--config.model.{k}={v}" for k, v in _MODEL.items()] + dist
   server_args = [
       sys.executable, "-m", "jax_dora.rollout.server_main", "--config=configs/tiny.py",
+      "--config.precompile=False",
       "--host=127.0.0.1", "--grace_s=1",
       f"--config.rollout.port={rollout_port}",
       "--config.distributed.process_id=1",
   ] + common
   learner_args = [
       sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+      "--config.precompile=False",
       "--config.mode=dora",
       f"--config.total_steps={_STEPS}",
       f"--config.output_dir={out}",
@@ -204,11 +206,13 @@ def test_two_learner_processes_train_like_one(tmp_path):
   ] + [f"--config.model.{k}={v}" for k, v in _MODEL.items()]
   server_args = [
       sys.executable, "-m", "jax_dora.rollout.server_main", "--config=configs/tiny.py",
+      "--config.precompile=False",
       "--host=127.0.0.1", "--grace_s=1", f"--config.rollout.port={rollout_port}",
       "--config.distributed.process_id=2",
   ] + common
   learner_args = [
       sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+      "--config.precompile=False",
       "--config.mode=dora_pace", f"--config.total_steps={_STEPS}",
       f"--config.output_dir={out}", "--config.role=learner",
       f"--config.rollout.server_addresses=127.0.0.1:{rollout_port}",

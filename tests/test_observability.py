@@ -84,6 +84,7 @@ def main_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("main") / "run"
   rc, screen = _run_on_a_terminal(
       [sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+       "--config.precompile=False",
        f"--config.output_dir={out}", f"--config.total_steps={STEPS}",
        "--config.learner.groups_per_step=4", "--config.learner.group_size=4",
        "--config.eval.num_prompts=4", "--config.eval.num_samples=2", "--config.eval.every_steps=0",

@@ -149,6 +149,7 @@ def test_losing_every_server_fails_loudly(tmp_path, mode):
 def _train_cmd(out: pathlib.Path, steps: int) -> list[str]:
   return [
       sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+      "--config.precompile=False",
       "--config.mode=dora", f"--config.output_dir={out}", f"--config.total_steps={steps}",
       "--config.checkpoint.every_steps=2", "--config.progress_bar=False",
       "--config.eval.num_prompts=0", "--config.eval.at_start=False",

@@ -52,7 +52,8 @@ def _health(address: str) -> dict:
 def _train(out: pathlib.Path, snapshots: pathlib.Path, address: str, steps: int,
            *extra: str) -> list[str]:
   return [
-      sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py", "--config.mode=dora",
+      sys.executable, "-m", "jax_dora.train", "--config=configs/tiny.py",
+      "--config.precompile=False", "--config.mode=dora",
       f"--config.output_dir={out}", f"--config.snapshots.directory={snapshots}",
       f"--config.total_steps={steps}", "--config.role=learner",
       f"--config.rollout.server_addresses={address}", "--config.checkpoint.every_steps=4",
@@ -77,6 +78,7 @@ def test_resumed_and_next_runs_never_train_on_a_live_server_s_old_versions(tmp_p
   server_log = open(tmp_path / "server.log", "wb")
   server = subprocess.Popen(
       [sys.executable, "-m", "jax_dora.rollout.server_main", "--config=configs/tiny.py",
+       "--config.precompile=False",
        "--host=127.0.0.1", "--grace_s=1", f"--config.rollout.port={port}",
        f"--config.snapshots.directory={snapshots}", "--config.rollout.slots=8", *_MODEL],
       cwd=_REPO, env=env, stdout=server_log, stderr=subprocess.STDOUT)

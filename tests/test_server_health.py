@@ -144,7 +144,7 @@ class _Proc:
     self.log_path = log_path
     args = [
         sys.executable, "-m", "jax_dora.rollout.server_main",
-        "--config=configs/tiny.py", "--host=127.0.0.1", "--grace_s=1",
+        "--config=configs/tiny.py", "--config.precompile=False", "--host=127.0.0.1", "--grace_s=1",
         f"--config.rollout.port={self.port}",
         f"--config.snapshots.directory={snapshot_dir}",
         f"--config.rollout.slots={_SLOTS}",
