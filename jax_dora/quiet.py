@@ -1,11 +1,12 @@
-"""Quiet start-up: the heavy imports that print C++ noise happen here, captured.
+"""Quiet start-up: the heavy imports that may print C++ noise happen here, captured.
 
-JetStream's engine API imports seqio, which imports TensorFlow; TensorFlow's
-CUDA stubs then write "Could not find cuda drivers" and absl pre-init warnings
+JetStream's engine API used to import seqio and with it TensorFlow, whose
+CUDA stubs wrote "Could not find cuda drivers" and absl pre-init warnings
 straight to file descriptor 2 (``TF_CPP_MIN_LOG_LEVEL`` no longer silences
-them), so a user's first screen was TensorFlow talking about GPUs the run
-never uses. The command-line entry points import those modules once, early,
-with descriptor 2 pointed at a temporary file; the captured text is shown
+them). ``jax_dora.jetstream_api`` now keeps TensorFlow out entirely; the
+command-line entry points still import it (and anything that might log from
+C++ at import) once, early, with descriptor 2 pointed at a temporary file,
+so a user's first screen stays the progress bar. The captured text is shown
 only if the import fails (or with ``--verbosity`` >= 1, when nothing is
 captured). Later imports of the same modules are free and silent.
 """
@@ -19,8 +20,8 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-# What jax_dora.rollout.engine and jax_dora.model.tokenizer import from JetStream.
-NOISY_MODULES = ("jetstream.engine.engine_api", "jetstream.engine.tokenizer_api")
+# How jax_dora.rollout.engine and jax_dora.model.tokenizer reach JetStream.
+NOISY_MODULES = ("jax_dora.jetstream_api",)
 
 
 @contextlib.contextmanager

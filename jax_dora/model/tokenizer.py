@@ -19,7 +19,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from jetstream.engine import tokenizer_api
+
+from jax_dora.jetstream_api import tokenizer_api
 
 PAD_ID = 0
 BOS_ID = 1

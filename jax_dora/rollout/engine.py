@@ -43,9 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jetstream.engine import engine_api
-from jetstream.engine import tokenizer_pb2
 
+from jax_dora.jetstream_api import engine_api, tokenizer_pb2
 from jax_dora.model import (
     DECODE_ATTENTION,
     KVCache,
