@@ -3,6 +3,7 @@ ratios it prints are the claim, measured side by side in one run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -79,3 +80,85 @@ def test_staleness_sweep_reads_realised_staleness_and_mismatch(tmp_path):
                "kl_stale_gt0": 0.02, "is_weight_max": 2.5}
   with pytest.raises(SystemExit):
     staleness_sweep.main(["--losses=ppo2"])
+
+
+def test_accelerator_benchmark_small(tmp_path):
+  """``benchmarks/accelerator.py --small`` end to end on CPU: every section's
+  figures, each below its floor (noise allowed) and positive; and the floor
+  arithmetic on shapes worked out by hand."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import accelerator  # pylint: disable=g-import-not-at-top
+
+  # A made-up shape: d=8, 2 layers, 2 query / 1 KV heads of 4, d_ff 16, vocab 100, tied.
+  s = accelerator.Shape(vocab_size=100, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1,
+                        head_dim=4, d_ff=16, tie_embeddings=True)
+  # q 8*8 + k,v 2*8*4 + o 8*8 + MLP 3*8*16 = 576 per layer; N = 2*576 + head 8*100.
+  assert accelerator.layer_matmul_params(s) == 576
+  assert accelerator.matmul_params(s) == 1952
+  # + q/k/v biases (2+1+1)*4 and two norms of 8 per layer, embedding 800, final norm 8.
+  assert accelerator.param_count(s) == 800 + 2 * (576 + 16 + 16) + 8 == 2024
+  from jax_dora.model import init_params  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  tree = jax.eval_shape(lambda r: init_params(s.model_config(32, "bfloat16", "bfloat16"), r),
+                        jax.random.PRNGKey(0))
+  assert sum(x.size for x in jax.tree.leaves(tree)) == 2024  # the count is the model's
+  assert accelerator.kv_bytes_per_token(s, 2) == 2 * 2 * 1 * 4 * 2 == 32
+  # Two slots at positions 10 and 20: params 2024*2 bytes + (10+20) cached tokens * 32;
+  # FLOPs 2*N*2 rows + attention 4*L*H*D = 64 per key over 11 + 21 keys.
+  assert accelerator.decode_step_work(s, [10, 20]) == (4048 + 960, 7808 + 64 * 32)
+  assert accelerator.decode_step_work(s, [10, 20], versions=2) == (2 * 4048 + 960, 9856)
+  # Untied: the 800-entry table is only gathered (2 rows of 8); the head 800 is read.
+  untied = dataclasses.replace(s, tie_embeddings=False)
+  assert accelerator.param_count(untied) == 2824
+  assert accelerator.param_read_bytes(untied, 2, 2) == (2824 - 800 + 16) * 2
+  # The roofline: max(5008 B / 1000 B/s, 9856 FLOP / 1e4 FLOP/s) = 5.008 s, summed over steps.
+  assert accelerator.floor_seconds([(5008, 9856)], 1000.0, 1e4) == pytest.approx(5.008)
+  assert accelerator.floor_seconds([(5008, 9856), (10, 9856)], 1000.0, 1e4) == pytest.approx(
+      5.008 + 0.9856)
+  # Prefill of prompts of 4 and 6 tokens in one call: params once + 10 KV entries written;
+  # blocks 2*2*576*10, head on 2 last positions 2*8*100*2, causal attention 2*L*H*D*T^2.
+  assert accelerator.prefill_work(s, [4, 6]) == (4048 + 320, 23040 + 3200 + 32 * (16 + 36))
+  # Learner: 6*N*tokens + 6*L*T^2*H*D per row = 6*1952*8 + 6*2*16*2*4*2.
+  assert accelerator.learner_step_flops(s, rows=2, seq=4) == 93696 + 3072
+  # Qwen2.5-0.5B: 494,032,768 parameters; one step of 256 slots at position 256 moves
+  # 988,065,536 + 256*256*12,288 bytes: 0.417 ms at 4.3 TB/s (the issue's 0.42 ms floor).
+  q05 = accelerator.SHAPES["0.5b"]
+  assert accelerator.param_count(q05) == 494_032_768
+  work = accelerator.decode_step_work(q05, [256] * 256)
+  assert work[0] == 1_793_371_904
+  assert accelerator.floor_seconds([work], 4.3e12, 7e14) * 1e3 == pytest.approx(0.417, abs=1e-3)
+
+  out = tmp_path / "acc.json"
+  proc = subprocess.run(
+      [sys.executable, "benchmarks/accelerator.py", "--small", f"--json={out}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=240,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "of floor" in proc.stdout
+  res = json.loads(out.read_text())
+  assert res["errors"] == {} and res["peaks"]["copy_bytes_per_s"] > 0
+  figs = {f["key"]: f for f in res["figures"]}
+  assert {f["section"] for f in res["figures"]} == set(accelerator.SECTIONS)
+  st = res["settings"]
+  want = ["env.copy_gb_per_s", "env.matmul_tflop_per_s", "import.seconds", "import.peak_rss_mib",
+          "import.tensorflow", "learner.build_seconds", "learner.compile_seconds",
+          "learner.step_seconds", "learner.tok_per_s"]
+  for n in st["slots"]:
+    want.append(f"prefill.slots{n}.tok_per_s")
+    for k in st["versions"]:
+      want += [f"decode.slots{n}.v{k}.ms_per_step", f"decode.slots{n}.v{k}.tok_per_s"]
+      if k > 1:
+        want.append(f"decode.slots{n}.v{k}.ratio")
+  assert not set(want) - set(figs), sorted(set(want) - set(figs))
+  assert "hf.skipped" in figs or any(k.startswith("hf.slots") for k in figs)
+  for key, f in figs.items():
+    if f["fraction"] is not None:
+      assert 0 < f["fraction"] < 1.5, (key, f)
+      assert f["floor_value"] > 0 and f["floor_s"] > 0, (key, f)
+    if f["unit"].endswith("/s") and f["value"] is not None:
+      assert f["value"] > 0, (key, f)
+  for key in want:
+    if key.startswith(("decode.", "prefill.")) and not key.endswith(".ratio"):
+      assert figs[key]["fraction"] is not None, key
+  assert figs["learner.step_seconds"]["fraction"] is not None  # the MFU
