@@ -254,7 +254,13 @@ def load_params(ckpt: HFCheckpoint, cfg: ModelConfig, shardings: Any) -> dict[st
           def read(index, sl=sl, layout=m.layout, slices=slices):
             key = tuple(s.indices(n)[:2] for s, n in zip(index, layout.shape))
             if key not in slices:
-              slices[key] = layout.read_slice(sl.__getitem__, index).astype(dtype)
+              # Convert while the block is still in the file's (contiguous)
+              # layout, and never when the dtype already matches: our
+              # transpose and head split then stay numpy views, which
+              # device_put hands to PJRT as strided buffers; its transpose
+              # runs several times faster than a numpy copy of the view.
+              slices[key] = layout.read_slice(
+                  lambda i, sl=sl: np.asarray(sl[i]).astype(dtype, copy=False), index)
             return slices[key]
 
           _tree_set(params, m.path, jax.make_array_from_callback(m.layout.shape, sharding, read))
