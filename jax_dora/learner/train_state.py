@@ -32,7 +32,15 @@ from jax_dora.learner.losses import (
   policy_loss,
 )
 from jax_dora.learner.mesh import LOGICAL_AXIS_RULES
-from jax_dora.model import ModelConfig, Transformer, chunked_token_logprobs, head_weight
+from jax_dora.model import (
+  ModelConfig,
+  Transformer,
+  abstract_boxed_params,
+  boxed_init,
+  chunked_token_logprobs,
+  head_weight,
+  init_key,
+)
 
 
 @flax.struct.dataclass
@@ -106,7 +114,7 @@ class Learner:
     mesh: The learner mesh.
     temperature: Sampling temperature of the rollout (log-probs must be of
       the same distribution).
-    seed: Random init seed (native models).
+    seed: Random init seed (native models; drawn from ``jax_dora.model.init_key``).
     suppress_mask: ``[vocab]`` ids the sampler never produces
       (``jax_dora.model.suppress_mask``); masked here too so on-policy ratios
       are exactly 1.
@@ -150,8 +158,10 @@ class Learner:
     self.seq_len_buckets = parse_buckets(str(learner_cfg.get("seq_len_buckets", "")),
                                          model_cfg.max_seq_len)
 
-    rng = jax.random.PRNGKey(seed)
-    abstract = jax.eval_shape(self._init_boxed_state, rng)
+    # The state's layout comes from the abstract params (the model's init
+    # traced once per process, shared with the rollout side) through the
+    # optimizer's init: no second trace of the model.
+    abstract = jax.eval_shape(self._boxed_state, abstract_boxed_params(model_cfg))
     specs = nn.get_partition_spec(abstract)
     with nn.logical_axis_rules(LOGICAL_AXIS_RULES):
       self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
@@ -159,13 +169,15 @@ class Learner:
     self.batch_sharding = NamedSharding(mesh, P(self.batch_axes))
     self.replicated = NamedSharding(mesh, P())
     if load_params is None:
-      init = jax.jit(
-          lambda r: nn.meta.unbox(self._init_boxed_state(r)), out_shardings=self.state_sharding
-      )
-      self.state: TrainState = init(rng)
+      # One program seeds the key, draws every param and zeroes the optimizer
+      # state straight into their shardings (nothing op by op, nothing unsharded).
+      init = jax.jit(self._random_state, out_shardings=self.state_sharding)
+      self.state: TrainState = init(seed)
     else:
       params = load_params(self.state_sharding.params)
-      self.state = jax.jit(self._state_from_params, out_shardings=self.state_sharding)(params)
+      # Donated: the state's params are the loaded buffers, not a copy of them.
+      self.state = jax.jit(self._state_from_params, out_shardings=self.state_sharding,
+                           donate_argnums=(0,))(params)
     self._step_fn = jax.jit(
         self._train_step,
         in_shardings=(self.state_sharding, self.batch_sharding),
@@ -195,16 +207,21 @@ class Learner:
         out_shardings=self.batch_sharding)
 
   # -- construction ---------------------------------------------------------
-  def _init_boxed_state(self, rng: jax.Array) -> TrainState:
-    # Param shapes do not depend on T: a length-1 dummy keeps init cheap.
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    params = self.model.init(rng, tokens, tokens)["params"]
+  def _boxed_state(self, params: Any) -> TrainState:
+    """The state around ``params`` with their ``nn.Partitioned`` boxes kept, for the
+    logical axis names of every leaf (Adam's moments inherit their param's)."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=self.tx.init(params),
         ref_params=params if self.use_ref else None,
     )
+
+  def _random_state(self, seed: jax.Array) -> TrainState:
+    # ``boxed_init`` is jitted and shared: its trace is cached, so this traces
+    # only the seeding, the unboxing and the optimizer's zeros.
+    params = boxed_init(self.model_cfg)(init_key(seed))
+    return self._state_from_params(nn.meta.unbox(params))
 
   def _state_from_params(self, params: Any) -> TrainState:
     return TrainState(
