@@ -53,6 +53,11 @@ def base_config() -> ml_collections.ConfigDict:
   # stalls on a compile mid-run. Off here for the tests' few-step runs, where
   # start-up dominates; every configs/*.py run sets it.
   c.precompile = False
+  # JAX's persistent compilation cache (jax_dora.compile_cache): a second
+  # start of the same run loads its compiled programs instead of compiling
+  # them. "auto" = $JAX_COMPILATION_CACHE_DIR, else
+  # $XDG_CACHE_HOME/jax_dora/xla (~/.cache/jax_dora/xla); a path; "" = off.
+  c.compile_cache_dir = "auto"
   c.progress_bar = True
 
   # The tiny native character model. A Hugging Face model sets ``hf_path``

@@ -130,7 +130,11 @@ def main(argv: list[str]) -> None:
 
   configure_logging(flags.FLAGS["verbosity"].value if flags.FLAGS["verbosity"].present else None,
                     progress_bar=False)
+  from jax_dora.compile_cache import setup_compile_cache  # pylint: disable=g-import-not-at-top
+
   try:
+    # The run's cache setting (older runs' configs lack the key: the default).
+    setup_compile_cache(load_run_config(_RUN_DIR.value).get("compile_cache_dir", "auto"))
     out = evaluate_run(_RUN_DIR.value, _STEP.value, num_samples=_NUM_SAMPLES.value,
                        num_prompts=_NUM_PROMPTS.value, greedy=_GREEDY.value)
   except (EvaluateError, ConfigError) as e:

@@ -37,6 +37,7 @@ def main(argv: list[str]) -> None:
 
   verbosity = flags.FLAGS["verbosity"].value if flags.FLAGS["verbosity"].present else None
   quiet_startup(verbose=verbosity is not None and verbosity >= 1)
+  from jax_dora.compile_cache import setup_compile_cache  # pylint: disable=g-import-not-at-top
   from jax_dora.config import ConfigError  # pylint: disable=g-import-not-at-top
   from jax_dora.data import DatasetError  # pylint: disable=g-import-not-at-top
   from jax_dora.model.families import UnsupportedCheckpointError  # pylint: disable=g-import-not-at-top
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> None:
   from jax_dora.summary import finish_run  # pylint: disable=g-import-not-at-top
 
   configure_logging(verbosity, progress_bar=_CONFIG.value.progress_bar)
+  # Before anything compiles: a second start loads the programs from disk.
+  setup_compile_cache(_CONFIG.value.compile_cache_dir)
   try:
     summary = run_training(_CONFIG.value)
   except ConfigError as e:

@@ -180,6 +180,11 @@ def main(argv) -> None:
   )
   # Orbax logs several INFO lines per restore through absl; keep ours readable.
   logging.getLogger("absl").setLevel(logging.WARNING)
+  from jax_dora.compile_cache import setup_compile_cache  # pylint: disable=g-import-not-at-top
+
+  # Before the first compile: a restarted server loads its prefill and
+  # decode programs from disk.
+  setup_compile_cache(config.compile_cache_dir)
   _init_distributed(config)
   name = _NAME.value or f"rollout-{os.uname().nodename}-{config.rollout.port}"
   asyncio.run(_serve(config, _HOST.value, _GRACE_S.value, name))
