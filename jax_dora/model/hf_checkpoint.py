@@ -37,7 +37,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # ModelConfig fields that come from the run, never from config.json.
-RUN_LEVEL_FIELDS = ("max_seq_len", "param_dtype", "dtype")
+RUN_LEVEL_FIELDS = ("max_seq_len", "param_dtype", "dtype", "attention_impl")
 
 
 class CheckpointError(ValueError):
@@ -109,7 +109,9 @@ def open_checkpoint(path: str) -> HFCheckpoint:
         f"{path}/{CONFIG_FILE}: architectures={archs} is not a causal LM of family"
         f" {family.name!r} (supported: {list(family.architectures)})")
   try:
-    import transformers  # pylint: disable=g-import-not-at-top
+    from jax_dora.model.hf_lib import import_transformers  # pylint: disable=g-import-not-at-top
+
+    transformers = import_transformers()
 
     hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
   except Exception as e:  # pylint: disable=broad-exception-caught

@@ -140,7 +140,9 @@ def _write_config(out: str, cfg: ModelConfig, family: Family, source_cfg: dict[s
     with open(os.path.join(out, CONFIG_FILE), "w") as f:
       json.dump(conf, f, indent=2, sort_keys=True)
     return
-  import transformers  # pylint: disable=g-import-not-at-top
+  from jax_dora.model.hf_lib import import_transformers  # pylint: disable=g-import-not-at-top
+
+  transformers = import_transformers()
 
   hf = transformers.AutoConfig.for_model(
       family.name, architectures=[family.architectures[0]], **family.to_hf(cfg))

@@ -76,7 +76,9 @@ class HFTokenizer(PolicyTokenizer):
     if not os.path.isdir(path):
       raise TokenizerLoadError(f"tokenizer directory {path} does not exist")
     try:
-      import transformers  # pylint: disable=g-import-not-at-top
+      from jax_dora.model.hf_lib import import_transformers  # pylint: disable=g-import-not-at-top
+
+      transformers = import_transformers()
 
       self._tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # pylint: disable=broad-exception-caught
