@@ -362,8 +362,15 @@ def bench_import() -> list[Figure]:
       "t = time.perf_counter()\n"
       "import jax_dora.rollout.engine\n"
       "s = time.perf_counter() - t\n"
-      "print(json.dumps({'import_s': s, 'rss_kib': resource.getrusage(resource.RUSAGE_SELF)"
-      ".ru_maxrss, 'tensorflow': 'tensorflow' in sys.modules, 'torch': 'torch' in sys.modules}))\n"
+      # Peak RSS of this process image: /proc's VmHWM (ru_maxrss survives exec
+      # on Linux, so it would report a large parent's size); ru_maxrss elsewhere.
+      "try:\n"
+      "  hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
+      "  kib = int(hwm.split()[1])\n"
+      "except OSError:\n"
+      "  kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+      "print(json.dumps({'import_s': s, 'rss_kib': kib,"
+      " 'tensorflow': 'tensorflow' in sys.modules, 'torch': 'torch' in sys.modules}))\n"
   )
   t0 = time.perf_counter()
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -91,6 +91,10 @@ def base_config() -> ml_collections.ConfigDict:
           # usual accelerator setting.
           param_dtype="float32",
           dtype="float32",
+          # Kernel of training / prefill attention: "auto" = cuDNN flash
+          # attention on a GPU with bfloat16/float16 activations, XLA
+          # elsewhere; "xla" or "cudnn" to force one.
+          attention_impl="auto",
       )
   )
 
@@ -197,12 +201,22 @@ def base_config() -> ml_collections.ConfigDict:
           # Devices of one server that split the model (heads, MLP, vocab) for
           # tensor parallelism; the server's other devices split the slots.
           tensor_parallel=1,
-          # Decode attention: "blocked" reads only the KV-cache blocks below
-          # the longest live row (cost follows what was generated, not
-          # model.max_seq_len); "dense" scores the whole cache (the old path,
-          # marginally faster for tiny caches). attention_block: block size.
+          # Decode attention: "blocked" reads only the KV-cache entries below
+          # the smallest decode_length_buckets entry that holds the longest
+          # live row (the host knows every slot's position, so each bucket is
+          # one static program: no device-side loop or branch), in chunks of
+          # attention_block entries (online softmax; the scores of a chunk
+          # take slots x query heads x attention_block x 4 bytes; 0 = 2048 on
+          # a GPU/TPU, one chunk and no loop for most bounds, 128 on CPU,
+          # where XLA is ~5x faster over cache-sized blocks).
+          # "dense" scores the whole cache (the old path, to measure against).
+          # decode_length_buckets: comma-separated bounds, "" = doubling from
+          # max(256, model.max_seq_len // 16); model.max_seq_len is always the
+          # last. Each bucket is a compiled decode program (times the
+          # multi-version pass shapes), so few buckets = short warm-up.
           decode_attention="blocked",
-          attention_block=128,
+          attention_block=0,
+          decode_length_buckets="",
           # One admission round is one batched prefill of up to this many
           # (padded) tokens per device call; share_prompt_prefill computes the
           # identical prompts of a GRPO group once and copies their KV entries.
@@ -360,7 +374,7 @@ def hf_model_config(hf_path: str = "", **run_fields) -> ml_collections.ConfigDic
   """
   from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
 
-  run_level = ("hf_path", "max_seq_len", "param_dtype", "dtype")
+  run_level = ("hf_path", "max_seq_len", "param_dtype", "dtype", "attention_impl")
   block = ml_collections.ConfigDict({
       k: v if k in run_level else config_dict.placeholder(type(v))
       for k, v in base_config().model.items()
@@ -404,8 +418,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.rollout.decode_attention not in ("blocked", "dense"):
     raise ConfigError(f"config.rollout.decode_attention={c.rollout.decode_attention!r} is not one"
                       " of ('blocked', 'dense')")
-  if c.rollout.attention_block < 1 or c.rollout.prefill_batch_tokens < 1:
-    raise ConfigError("config.rollout.attention_block and prefill_batch_tokens must be >= 1")
+  if c.rollout.attention_block < 0 or c.rollout.prefill_batch_tokens < 1:
+    raise ConfigError("config.rollout.attention_block must be >= 0 and prefill_batch_tokens >= 1")
+  try:
+    if any(b < 1 for b in split_csv(c.rollout.decode_length_buckets, int)):
+      raise ValueError("every bucket must be >= 1")
+  except ValueError as e:
+    raise ConfigError(
+        f"config.rollout.decode_length_buckets={c.rollout.decode_length_buckets!r}: {e}") from e
   if c.rollout.max_versions < 1:
     raise ConfigError("config.rollout.max_versions must be >= 1")
   need = c.rollout.max_prefill_length + c.rollout.max_new_tokens

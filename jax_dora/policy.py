@@ -59,7 +59,7 @@ class PolicySpec:
 
 def _architecture_overrides(model: ml_collections.ConfigDict) -> dict[str, Any]:
   """Architecture values the run config sets explicitly (non-None)."""
-  skip = ("hf_path", "max_seq_len", "param_dtype", "dtype")
+  skip = ("hf_path", "max_seq_len", "param_dtype", "dtype", "attention_impl")
   return {k: v for k, v in model.items() if k not in skip and v is not None}
 
 
@@ -90,7 +90,8 @@ def resolve_policy(cfg: ml_collections.ConfigDict) -> PolicySpec:
   ckpt = open_checkpoint(m.hf_path)
   model_cfg = model_config_from_checkpoint(
       ckpt, _architecture_overrides(m),
-      max_seq_len=int(m.max_seq_len), param_dtype=str(m.param_dtype), dtype=str(m.dtype))
+      max_seq_len=int(m.max_seq_len), param_dtype=str(m.param_dtype), dtype=str(m.dtype),
+      attention_impl=str(m.attention_impl))
   tokenizer = HFTokenizer(ckpt.path, str(d.prompt_template), str(d.system_prompt),
                           str(d.prompt_suffix))
   if tokenizer.vocab_size > model_cfg.vocab_size:

@@ -24,8 +24,8 @@ CFG = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=2, n_heads=2, 
 
 
 def _engine(temperature: float, num_slots: int = 4, seed: int = 0, **kw) -> DoraEngine:
-  # Blocks of 20 over a 48-entry cache: three blocks, the last one clamped
-  # (it overlaps the second), so every decode below crosses block edges.
+  # Softmax chunks of 20 entries: the 32- and 48-entry length buckets are
+  # read in two and three chunks, so decodes below cross chunk edges.
   kw.setdefault("attention_block", 20)
   return DoraEngine(CFG, TOK, num_slots=num_slots, max_prefill_length=16,
                     temperature=temperature, seed=seed, **kw)
@@ -346,3 +346,64 @@ def test_bf16_model_keeps_a_bf16_cache():
   state, res = engine.generate(MultiVersionParams.single(0, params), state)
   assert state.cache.k.dtype == jnp.bfloat16
   assert np.isfinite(res.convert_to_numpy().logprobs[0, 0])
+
+
+def _primitives(jaxpr) -> set[str]:
+  """Every primitive name in ``jaxpr`` and the jaxprs nested in its equations."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      names |= _primitives(sub)
+  return names
+
+
+def test_decode_programs_have_no_data_dependent_loops_or_branches():
+  """Issue 23: on a GPU a ``while`` whose trip count lives on the device, or a
+  ``cond``, copies a predicate to the host and waits on it (and breaks
+  command-buffer capture). Every decode program, single-version and each
+  multi-version pass shape, at every length bucket, has neither; the host
+  picks the static bound and row counts (DecodeHint)."""
+  engine = _engine(temperature=1.0, top_p=0.9, length_buckets=(16, 32))
+  assert engine.length_buckets == (16, 32, 48)
+  params = engine.place_params(init_params(CFG, jax.random.PRNGKey(0)))
+  state = engine.init_decode_state()
+  acc = engine._empty_acc_fn(state)  # pylint: disable=protected-access
+  v = np.int32(1)
+  programs = []
+  for bound in engine.length_buckets:
+    programs.append(engine._single_fn.trace(params, state, v, bound=bound))  # pylint: disable=protected-access
+    for size in engine._row_buckets:  # pylint: disable=protected-access
+      programs.append(engine._pass_fn.trace(params, state, acc, v, size=size, bound=bound))  # pylint: disable=protected-access
+  programs.append(engine._finish_fn.trace(state, acc))  # pylint: disable=protected-access
+  for traced in programs:
+    names = _primitives(traced.jaxpr.jaxpr)
+    assert "dot_general" in names or "scatter" in names  # the walk sees the program
+    assert not names & {"while", "cond"}, sorted(names & {"while", "cond"})
+
+
+def test_a_wrong_decode_hint_is_reported_not_silently_used():
+  """A hint below a slot's position (its cache entries past the bound would
+  go unread) or below a version's row count is flagged in the result."""
+  from jax_dora.rollout.engine import DecodeHint  # pylint: disable=g-import-not-at-top
+
+  engine = _engine(temperature=0.0, length_buckets=(16, 32))
+  pa = engine.place_params(init_params(CFG, jax.random.PRNGKey(1)))
+  pb = engine.place_params(init_params(CFG, jax.random.PRNGKey(2)))
+  state = engine.init_decode_state()
+  long_prompt = np.full((20,), 5, np.int32)  # position 20: the 32-entry bucket
+  state, _, _ = engine.prefill_insert(pa, 1, *engine.pad_tokens(long_prompt), state, 0)
+  state, _, _ = engine.prefill_insert(pb, 2, *engine.pad_tokens(_prompt("ab")), state, 1)
+  state, _, _ = engine.prefill_insert(pb, 2, *engine.pad_tokens(_prompt("cd")), state, 2)
+  one = MultiVersionParams.single(1, pa)
+  both = MultiVersionParams({1: pa, 2: pb}, (1, 2))
+  assert engine.decode_hint(state, (1, 2)) == DecodeHint(20, {1: 1, 2: 2})
+  cases = [
+      (both, DecodeHint(20, {1: 1, 2: 2}), False),
+      (both, DecodeHint(16, {1: 1, 2: 2}), True),   # position 20 > bound 16
+      (both, DecodeHint(22, {1: 1, 2: 1}), True),   # version 2 has 2 rows, a 1-row pass
+      (one, DecodeHint(16, {1: 1}), True),
+  ]
+  for params, hint, violated in cases:
+    state, res = engine.generate(params, state, hint)
+    assert bool(res.convert_to_numpy().hint_violated) == violated, hint

@@ -22,7 +22,7 @@ from jax_dora.model.kv_cache import KVCache
 from jax_dora.model.tokenizer import CharTokenizer
 from jax_dora.model.logits import chunked_token_logprobs, suppress_mask, token_logprobs
 from jax_dora.model.rope import apply_rope
-from jax_dora.model.transformer import DECODE_ATTENTION, Transformer, head_weight
+from jax_dora.model.transformer import DECODE_ATTENTION, Transformer, head_logits, head_weight
 
 __all__ = [
     "DECODE_ATTENTION",
@@ -36,6 +36,7 @@ __all__ = [
     "apply_rope",
     "boxed_init",
     "chunked_token_logprobs",
+    "head_logits",
     "head_weight",
     "init_key",
     "init_params",

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import ml_collections
 
 ROPE_SCALINGS = ("", "llama3")
+# Kernels of the cache-free attention (jax_dora.model.transformer._attend).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,9 @@ class ModelConfig:
     param_dtype: Dtype parameters are stored (and optimised) in.
     dtype: Activation and KV-cache dtype. Attention softmax, logits,
       log-probs and the loss are always float32.
+    attention_impl: Kernel of the cache-free attention (training, prefill):
+      ``"auto"`` (cuDNN flash attention on a GPU with 16-bit activations,
+      XLA elsewhere), ``"xla"`` or ``"cudnn"``. A run choice like the dtypes.
   """
 
   vocab_size: int
@@ -73,6 +78,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   param_dtype: str = "float32"
   dtype: str = "float32"
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     # Resolve the "0 = derived" defaults once, so every reader sees numbers.
@@ -95,6 +101,9 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.rope_scaling not in ROPE_SCALINGS:
       raise ValueError(f"rope_scaling={self.rope_scaling!r} is not one of {ROPE_SCALINGS}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(
+          f"model.attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
     for name in ("param_dtype", "dtype"):
       try:
         jnp.dtype(getattr(self, name))

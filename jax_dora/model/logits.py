@@ -92,7 +92,9 @@ def chunked_token_logprobs(
   b, t, _ = hidden.shape
 
   def chunk_logprobs(h: jax.Array, tgt: jax.Array) -> jax.Array:
-    logits = jnp.einsum("btd,dv->btv", h.astype(jnp.float32), head.astype(jnp.float32))
+    # Activation-dtype operands, float32 accumulation and result: a float32
+    # GEMM here was the learner's largest matmul without tensor cores.
+    logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
     return token_logprobs(logits, tgt, temperature, mask)
 
   if chunk <= 0 or chunk >= t:

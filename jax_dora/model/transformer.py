@@ -35,6 +35,8 @@ attention softmax and logits are float32.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -73,108 +75,139 @@ def _group(q: jax.Array, n_kv: int) -> jax.Array:
   return q.reshape(b, t, n_kv, h // n_kv, d)
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Softmax attention. ``q[B,T,H,D]``, ``k,v[B,S,Hkv,D]``, ``mask[B,T,S]``."""
-  b, t, h, d = q.shape
-  scale = d ** -0.5
-  qg = _group(q.astype(jnp.float32), k.shape[2])
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1)
-  ctx = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
-  return ctx.reshape(b, t, h, d).astype(q.dtype)
+# The cache-free (training / prefill) attention kernel follows
+# ``ModelConfig.attention_impl``: "auto" takes cuDNN's fused flash attention
+# on a GPU with 16-bit activations (no float32 T x T scores in memory, the
+# backward pass recomputes them) and XLA's einsum path elsewhere: on CPU (the
+# exactness tests, float32) and on TPU, where a Pallas splash kernel is the
+# next step (DESIGN.md, Accelerator speed).
+
+
+def attention_implementation(cfg: ModelConfig, head_dim: int | None = None) -> str:
+  """The kernel ``jax.nn.dot_product_attention`` gets for ``cfg`` here."""
+  impl = cfg.attention_impl
+  if impl != "auto":
+    return impl
+  d = cfg.head_dim if head_dim is None else head_dim
+  if (jax.default_backend() == "gpu" and cfg.jnp_dtype in (jnp.bfloat16, jnp.float16)
+      and d % 8 == 0 and d <= 128):
+    return "cudnn"
+  return "xla"
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None,
+            impl: str) -> jax.Array:
+  """Causal softmax attention. ``q[B,T,H,D]``, ``k,v[B,T,Hkv,D]``,
+  ``key_mask[B,T]`` (True = real key) or None.
+
+  ``jax.nn.dot_product_attention`` handles grouped-query heads (query head
+  ``h`` reads kv head ``h // G``, Hugging Face's ``repeat_kv`` order) and
+  computes the softmax in float32 on every implementation. Training and
+  prefill rows are right-padded, so they need no key mask (a real query
+  never sees a later key) and take the fused kernel; an explicit key mask
+  (any shape of padding) takes the XLA path.
+  """
+  if key_mask is None:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+  return jax.nn.dot_product_attention(q, k, v, mask=key_mask[:, None, None, :], is_causal=True,
+                                      implementation="xla")
+
+
+def decode_chunk(chunk: int) -> int:
+  """Cache entries one decode-attention chunk scores; ``0`` = by backend.
+
+  On a GPU or TPU one chunk covers most bounds, so the program is straight
+  line code (no loop at all, one command buffer). XLA:CPU is about 5x faster
+  looping over cache-sized blocks than scoring 512+ entries at once or
+  unrolling the chunks (measured on the 2-core CI machine: 5.5 vs 30-48 ms
+  for 512 entries x 16 rows x 4 layers), so CPU takes 128-entry chunks.
+  """
+  if chunk > 0:
+    return int(chunk)
+  return 128 if jax.default_backend() == "cpu" else 2048
 
 
 def _attend_cache_and_self(
-    q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array, positions: jax.Array
+    q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array,
+    positions: jax.Array, rows: jax.Array | None, bound: int, chunk: int, layer: int,
 ) -> jax.Array:
   """One decode token attending to its row's cache entries ``j < position``
-  and to its own (not yet written) key/value.
+  and to its own (not yet written) key/value, reading only entries
+  ``[0, bound)``.
 
   Same result as writing ``k, v`` at ``position`` and attending to ``j <=
-  position``, without writing: the caller commits the new entries once,
-  in place, instead of every layer producing an updated copy of the cache.
-  ``q[B,1,H,D]``, ``k, v[B,1,Hkv,D]``, ``ck, cv[B,S,Hkv,D]``, ``positions[B,1]``.
+  position``, without writing: the caller commits the new entries once, in
+  place, instead of every layer producing an updated copy of the cache.
+
+  ``bound`` is a Python int chosen by the host (which knows every slot's
+  position) from a few length buckets, so the program has no data-dependent
+  loop or branch: on a GPU a ``while`` whose trip count lives on the device
+  copies its predicate to the host and waits on it every iteration, once per
+  layer, and cannot be captured in a command buffer. The cost still follows
+  the live lengths (a bucket, not ``max_seq_len``). The entries are scored
+  in chunks of ``chunk`` with an online softmax (running max, normaliser and
+  weighted sum per query head, flash-decoding style), seeded with the
+  token's own key/value: straight-line code for one chunk, else a loop whose
+  trip count ``ceil(bound / chunk)`` is a compile-time constant (the last
+  chunk starts early, clamped, and masks the entries it repeats). Products
+  take the cache's dtype with float32 accumulation; the softmax is float32.
+
+  ``q[B,1,H,D]``, ``k, v[B,1,Hkv,D]``, ``positions[B,1]``. ``ck, cv`` are the
+  whole head-major ``[L, Bc, Hkv, S, D]`` cache and ``layer`` this layer's
+  index: each chunk is read in place as ``[B, Hkv, chunk, D]``, which a
+  batched matmul takes without a transposed copy. ``rows[B]``: cache rows
+  the ``B`` queries belong to (a gathered sub-batch of one policy version
+  under DORA), read chunk by chunk instead of gathering whole rows;
+  ``None`` means row ``b`` is query ``b``. A row whose position exceeds
+  ``bound`` would silently lose entries: the engine checks the host's bound
+  on device and reports a violation with the step's result.
   """
   b, t, h, d = q.shape
+  _, bc, n_kv, s, hd = ck.shape
+  bound = max(1, min(int(bound), s))
+  chunk = max(1, min(int(chunk), bound))
   scale = d ** -0.5
-  qg = _group(q.astype(jnp.float32), ck.shape[2])  # [B,1,Hkv,G,D]
-  # Round the new entry exactly as the cache would store it.
-  kf = k.astype(ck.dtype).astype(jnp.float32)
-  vf = v.astype(cv.dtype).astype(jnp.float32)
-  cached = jnp.einsum("btkgd,bskd->bkgts", qg, ck.astype(jnp.float32)) * scale  # [B,Hkv,G,1,S]
-  seen = jnp.arange(ck.shape[1])[None, None, :] < positions[:, :, None]  # [B,1,S]
-  cached = jnp.where(seen[:, None, None, :, :], cached, _MASK_VALUE)
-  own = jnp.einsum("btkgd,btkd->bkgt", qg, kf)[..., None] * scale  # [B,Hkv,G,1,1]
-  probs = jax.nn.softmax(jnp.concatenate([cached, own], axis=-1), axis=-1)
-  ctx = jnp.einsum("bkgts,bskd->btkgd", probs[..., :-1], cv.astype(jnp.float32))
-  ctx = ctx + jnp.einsum("bkgt,btkd->btkgd", probs[..., -1], vf)
-  return ctx.reshape(b, t, h, d).astype(q.dtype)
-
-
-def _attend_cache_and_self_blocked(
-    q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array,
-    positions: jax.Array, rows: jax.Array | None, block: int, layer: int,
-) -> jax.Array:
-  """:func:`_attend_cache_and_self` reading only the cache blocks below the
-  longest live row (flash-decoding style online softmax).
-
-  The dense version scores every one of ``max_seq_len`` cache entries per
-  step, so a decode step costs the cache size, not what was generated; for
-  reasoning traces served from an 8k-32k cache that is most of the step.
-  Here a ``while`` loop visits blocks ``0 .. ceil(max(positions) / block)``
-  only, keeping a running max / normaliser / weighted sum per query head, so
-  the cost follows the live lengths. The row's own new key/value seeds the
-  running state (it is not in the cache yet, see ``defer_cache_write``).
-
-  ``rows[B]``: cache rows the ``B`` queries belong to (a gathered sub-batch of
-  one policy version under DORA), read block by block instead of gathering
-  whole rows; ``None`` means row ``b`` is query ``b``. This XLA path runs on
-  every backend; the gathers and the loop bound are dynamic, so one compile
-  serves every length.
-
-  ``ck, cv`` are the whole ``[L, B, S, Hkv, D]`` cache and ``layer`` this
-  layer's index: slicing a layer out before the loop would materialise a
-  copy of that layer's cache every step (the loop needs its operand as a
-  buffer), which costs what the blocks save.
-  """
-  b, t, h, d = q.shape
-  _, bc, s, n_kv, hd = ck.shape
-  block = max(1, min(int(block), s))
-  scale = d ** -0.5
-  qg = _group(q.astype(jnp.float32), n_kv)[:, 0]  # [B,Hkv,G,D]
-  kf = k.astype(ck.dtype).astype(jnp.float32)[:, 0]  # [B,Hkv,D], rounded as the cache stores it
-  vf = v.astype(cv.dtype).astype(jnp.float32)[:, 0]
+  cdt = ck.dtype
+  f32 = jnp.float32
+  qg = _group(q, n_kv)[:, 0].astype(cdt)  # [B,Hkv,G,D]
+  kn = k[:, 0].astype(cdt)  # [B,Hkv,D], rounded as the cache stores it
+  vn = v[:, 0].astype(cdt)
   pos = positions[:, 0]  # [B]: the row's entries j < pos are in the cache
-  m = jnp.einsum("bkgd,bkd->bkg", qg, kf) * scale
+  m = jnp.einsum("bkgd,bkd->bkg", qg, kn, preferred_element_type=f32) * scale
   norm = jnp.ones_like(m)
-  acc = jnp.broadcast_to(vf[:, :, None, :], qg.shape)
-  n_blocks = (jnp.max(pos) + block - 1) // block
-  offsets = jnp.arange(block, dtype=jnp.int32)
+  acc = jnp.broadcast_to(vn.astype(f32)[:, :, None, :], qg.shape)
+  offsets = jnp.arange(chunk, dtype=jnp.int32)
 
   def visit(i, carry):
     m, norm, acc = carry
-    # The last block may start early (clamped) so it never runs off the
-    # cache; the ``>= i * block`` test keeps overlapped entries counted once.
-    start = jnp.minimum(i * block, s - block)
-    idx = start + offsets
+    start = jnp.minimum(i * chunk, bound - chunk)
     if rows is None:
-      at, size = (layer, 0, start, 0, 0), (1, bc, block, n_kv, hd)
-      kb = jax.lax.dynamic_slice(ck, at, size)[0]
+      at, size = (layer, 0, 0, start, 0), (1, bc, n_kv, chunk, hd)
+      kb = jax.lax.dynamic_slice(ck, at, size)[0]  # [B,Hkv,chunk,D]
       vb = jax.lax.dynamic_slice(cv, at, size)[0]
     else:
-      kb, vb = ck[layer, rows[:, None], idx[None, :]], cv[layer, rows[:, None], idx[None, :]]
-    scores = jnp.einsum("bkgd,bskd->bkgs", qg, kb.astype(jnp.float32)) * scale
-    valid = (idx[None, :] < pos[:, None]) & (idx[None, :] >= i * block)  # [B,block]
+      idx = (start + offsets)[None, :]
+      kb = ck[layer, rows[:, None], :, idx].swapaxes(1, 2)  # [B,chunk,Hkv,D] -> [B,Hkv,chunk,D]
+      vb = cv[layer, rows[:, None], :, idx].swapaxes(1, 2)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, kb, preferred_element_type=f32) * scale
+    idx = start + offsets
+    valid = (idx[None, :] < pos[:, None]) & (idx[None, :] >= i * chunk)  # [B,chunk]
     scores = jnp.where(valid[:, None, None, :], scores, _MASK_VALUE)
     m_new = jnp.maximum(m, scores.max(-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(scores - m_new[..., None])
     norm = norm * alpha + p.sum(-1)
-    acc = acc * alpha[..., None] + jnp.einsum("bkgs,bskd->bkgd", p, vb.astype(jnp.float32))
+    acc = acc * alpha[..., None] + jnp.einsum(
+        "bkgs,bksd->bkgd", p.astype(cdt), vb, preferred_element_type=f32)
     return m_new, norm, acc
 
-  m, norm, acc = jax.lax.fori_loop(0, n_blocks, visit, (m, norm, acc))
+  n_chunks = -(-bound // chunk)
+  carry = (m, norm, acc)
+  if n_chunks == 1:
+    carry = visit(0, carry)
+  else:  # static trip count: a scan, never a device-side predicate
+    carry = jax.lax.fori_loop(0, n_chunks, visit, carry)
+  _, norm, acc = carry
   ctx = acc / norm[..., None]
   return ctx.reshape(b, t, h, d).astype(q.dtype)
 
@@ -193,7 +226,7 @@ class Attention(nn.Module):
   # Without a cache: also return this call's k/v (batched prefill).
   collect_kv: bool = False
   decode_attention: str = "blocked"
-  attention_block: int = 128
+  attention_block: int = 0
 
   @nn.compact
   def __call__(
@@ -204,6 +237,7 @@ class Attention(nn.Module):
       layer_cache: tuple[jax.Array, jax.Array] | None,
       cache_rows: jax.Array | None = None,
       layer: int = 0,
+      kv_bound: int | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     cfg = self.cfg
     dtype = cfg.jnp_dtype
@@ -231,29 +265,30 @@ class Attention(nn.Module):
 
     new_cache = None
     if layer_cache is None:
-      ctx = _attend(q, k, v, mask)
+      ctx = _attend(q, k, v, mask, attention_implementation(cfg))
       if self.collect_kv:
         new_cache = (k, v)
     elif self.defer_cache_write:
-      ck, cv = layer_cache  # the whole [L, B, S, Hkv, D] cache: see the blocked path
-      if self.decode_attention == "blocked":
-        ctx = _attend_cache_and_self_blocked(q, k, v, ck, cv, positions, cache_rows,
-                                             self.attention_block, layer)
-      else:
-        ck, cv = ck[layer], cv[layer]
-        if cache_rows is not None:  # whole rows gathered: the cost the blocked path avoids
-          ck, cv = ck[cache_rows], cv[cache_rows]
-        ctx = _attend_cache_and_self(q, k, v, ck, cv, positions)
+      ck, cv = layer_cache  # the whole [L, B, S, Hkv, D] cache, read in place
+      # "dense" scores the whole cache in one chunk (the old path, kept to
+      # measure against); "blocked" reads the host's bound in chunks.
+      s = ck.shape[3]
+      bound, chunk = (s, s) if self.decode_attention == "dense" else (
+          kv_bound or s, decode_chunk(self.attention_block))
+      ctx = _attend_cache_and_self(q, k, v, ck, cv, positions, cache_rows, bound, chunk, layer)
       new_cache = (k.astype(ck.dtype), v.astype(cv.dtype))
     else:
-      ck, cv = layer_cache  # [B,S,Hkv,D]
+      ck, cv = layer_cache  # [B,Hkv,S,D]
       b_idx = jnp.arange(x.shape[0])[:, None]
       # Scatter at absolute positions; out-of-range positions are dropped.
-      ck = ck.at[b_idx, positions].set(k.astype(ck.dtype), mode="drop")
-      cv = cv.at[b_idx, positions].set(v.astype(cv.dtype), mode="drop")
-      s = ck.shape[1]
+      # (Advanced indices around a slice put [B,T] first: the [B,T,Hkv,D] k.)
+      ck = ck.at[b_idx, :, positions].set(k.astype(ck.dtype), mode="drop")
+      cv = cv.at[b_idx, :, positions].set(v.astype(cv.dtype), mode="drop")
+      s = ck.shape[2]
       cache_mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B,T,S]
-      ctx = _attend(q, ck.astype(dtype), cv.astype(dtype), cache_mask)
+      ctx = jax.nn.dot_product_attention(
+          q, ck.swapaxes(1, 2).astype(dtype), cv.swapaxes(1, 2).astype(dtype),
+          mask=cache_mask[:, None], implementation="xla")
       new_cache = (ck, cv)
 
     out = nn.DenseGeneral(
@@ -302,17 +337,34 @@ class Block(nn.Module):
   defer_cache_write: bool = False
   collect_kv: bool = False
   decode_attention: str = "blocked"
-  attention_block: int = 128
+  attention_block: int = 0
 
   @nn.compact
-  def __call__(self, x, positions, mask, layer_cache, cache_rows=None, layer=0):
+  def __call__(self, x, positions, mask, layer_cache, cache_rows=None, layer=0, kv_bound=None):
     h, new_cache = Attention(
         self.cfg, self.defer_cache_write, self.collect_kv, self.decode_attention,
         self.attention_block, name="attn",
-    )(_rms_norm(self.cfg, "attn_norm")(x), positions, mask, layer_cache, cache_rows, layer)
+    )(_rms_norm(self.cfg, "attn_norm")(x), positions, mask, layer_cache, cache_rows, layer,
+      kv_bound)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(_rms_norm(self.cfg, "mlp_norm")(x))
     return x, new_cache
+
+
+def head_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
+  """float32 logits ``hidden[..., D] @ head[D, V]``, computed in ``hidden``'s dtype.
+
+  The head is the largest matmul of a decode step and of the learner's
+  log-prob pass (V = 151,936). Casting both operands to float32 made it a
+  float32 GEMM (no bf16 tensor cores) and, on rollout servers, copied the
+  whole embedding to float32 every step; here the weights take the
+  activation dtype (as every other layer's do) and only the accumulation
+  and the result are float32. With float32 activations (the exactness
+  tests) nothing changes. Sampler and learner both call this, so they stay
+  one distribution.
+  """
+  return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype),
+                    preferred_element_type=jnp.float32)
 
 
 def head_weight(cfg: ModelConfig, params) -> jax.Array:
@@ -334,7 +386,7 @@ class Transformer(nn.Module):
   # Rollout only: how a decode token reads the cache (``DECODE_ATTENTION``)
   # and the block size of the blocked path.
   decode_attention: str = "blocked"
-  attention_block: int = 128
+  attention_block: int = 0
 
   @nn.compact
   def __call__(
@@ -347,6 +399,7 @@ class Transformer(nn.Module):
       return_hidden: bool = False,
       cache_rows: jax.Array | None = None,
       collect_kv: bool = False,
+      kv_bound: int | None = None,
   ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Runs the model.
 
@@ -380,6 +433,11 @@ class Transformer(nn.Module):
       collect_kv: without a cache: also return this call's keys/values
         ``[L,B,T,Hkv,D]`` (prefill computes attention within the prompt and
         the engine writes only these entries into the slots' cache).
+      kv_bound: with ``defer_cache_write``: a Python int, every row's
+        position is at most this, so decode attention reads cache entries
+        ``[0, kv_bound)`` only (``None``: the whole cache). Static: one
+        program per bound, no data-dependent loop (see
+        ``_attend_cache_and_self``).
 
     Returns:
       float32 ``logits[B,T,V]`` (or the hidden states), plus the updated
@@ -391,17 +449,14 @@ class Transformer(nn.Module):
     positions = positions.astype(jnp.int32)
     t = tokens.shape[1]
 
+    mask = None  # key mask of the cache-free path (causality is by index)
     if kv_cache is None:
-      mask = jnp.tril(jnp.ones((t, t), bool))[None]  # [1,T,T]
       if attention_mask is not None:
-        mask = mask & attention_mask.astype(bool)[:, None, :]
-      mask = jnp.broadcast_to(mask, (tokens.shape[0], t, t))
-    else:
-      if attention_mask is not None:
-        # A cache has no memory of which slots were padding, so a key mask
-        # here would silently not apply to later steps; refuse instead.
-        raise ValueError("attention_mask is not supported with kv_cache (use right padding)")
-      mask = None
+        mask = attention_mask.astype(bool)
+    elif attention_mask is not None:
+      # A cache has no memory of which slots were padding, so a key mask
+      # here would silently not apply to later steps; refuse instead.
+      raise ValueError("attention_mask is not supported with kv_cache (use right padding)")
     if defer_cache_write and (kv_cache is None or t != 1):
       raise ValueError("defer_cache_write needs a kv_cache and one token per row (decode)")
     if cache_rows is not None and not defer_cache_write:
@@ -438,7 +493,7 @@ class Transformer(nn.Module):
         layer_cache = (kv_cache.k[i], kv_cache.v[i])
       x, nc = block_cls(cfg, defer_cache_write, collect_kv, self.decode_attention,
                         self.attention_block, name=f"layers_{i}")(
-                            x, positions, mask, layer_cache, cache_rows, i)
+                            x, positions, mask, layer_cache, cache_rows, i, kv_bound)
       if nc is not None:
         new_k.append(nc[0])
         new_v.append(nc[1])
@@ -447,18 +502,20 @@ class Transformer(nn.Module):
     if return_hidden:
       out = x
     elif cfg.tie_embeddings:
-      out = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), embed.embedding.astype(jnp.float32))
+      out = head_logits(x, embed.embedding.T)
     else:
       out = nn.Dense(
           cfg.vocab_size,
           use_bias=False,
-          dtype=jnp.float32,
+          dtype=cfg.jnp_dtype,
           param_dtype=cfg.jnp_param_dtype,
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.normal(stddev=0.02), ("embed", "vocab")
           ),
+          # Activation-dtype operands, float32 results (see head_logits).
+          dot_general=functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
           name="lm_head",
-      )(x.astype(jnp.float32))
+      )(x)
 
     if kv_cache is None and not collect_kv:
       return out

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from jax_dora.rollout import api
-from jax_dora.rollout.engine import DoraEngine, MultiVersionParams, PrefillWork
+from jax_dora.rollout.engine import DecodeHint, DoraEngine, MultiVersionParams, PrefillWork
 from jax_dora.rollout.version_store import LoadDecision, VersionStore
 from jax_dora.snapshots import SnapshotReader
 from jax_dora.types import TokenSpan
@@ -164,6 +164,10 @@ class RolloutDriver:
     self._budget = np.zeros((self.num_slots,), np.int64)
     self._ignore_eos = np.zeros((self.num_slots,), bool)
     self._owner = np.full((self.num_slots,), -1, np.int64)
+    # Where each occupied slot's next decode token is written on the device
+    # (context length + steps dispatched since admission, capped at the
+    # cache end): the host's half of the engine's static decode programs.
+    self._position = np.zeros((self.num_slots,), np.int64)
     self._next_owner = 0
     self._stop_arr = np.asarray(sorted(self.stop_ids), np.int32)
     self._pending_step: _Step | None = None
@@ -529,6 +533,7 @@ class RolloutDriver:
     self._slots[slot] = act
     self._owner[slot] = self._next_owner
     self._count[slot] = 0
+    self._position[slot] = act.context_len
     self._budget[slot] = act.budget
     self._ignore_eos[slot] = bool(act.request.ignore_eos)
     return self._next_owner
@@ -552,10 +557,14 @@ class RolloutDriver:
   # ------------------------------------------------------------------ decode
   def _dispatch(self, firsts: list[tuple[int, int, jax.Array, int]]) -> _Step:
     """Launches one decode step (every live version) without waiting for it."""
-    live = tuple(sorted({s.version for s in self._slots if s is not None}))
+    occupied = self._owner >= 0
+    versions = collections.Counter(s.version for s in self._slots if s is not None)
+    live = tuple(sorted(versions))
     params = MultiVersionParams({v: self.store.params(v) for v in live}, live)
+    hint = DecodeHint(int(self._position[occupied].max()), dict(versions))
     now = time.perf_counter()
-    self._state, result = self.engine.generate(params, self._state)
+    self._state, result = self.engine.generate(params, self._state, hint)
+    self._position[occupied] = np.minimum(self._position[occupied] + 1, self.engine.max_seq_len)
     result.copy_to_host_async()
     self._steps += 1
     self._passes += len(live)
@@ -573,6 +582,12 @@ class RolloutDriver:
       self._append(slots[keep], values[keep, 0].astype(np.int32), values[keep, 1])
     data = np.asarray(step.result.data)
     logprobs = np.asarray(step.result.logprobs)[:, 0]
+    if bool(np.asarray(step.result.hint_violated)):
+      # The static program read fewer cache entries (or rows) than a slot
+      # needed: its tokens are wrong. Crash loudly (every open request fails
+      # and is re-issued) rather than stream them.
+      raise RuntimeError(f"{self.name}: decode step {self._steps} ran with a wrong DecodeHint"
+                         " (host-side slot positions or version counts disagree with the device)")
     ready = time.perf_counter()
     # Device time: from dispatch (or the end of the previous step, if it was
     # still running) until the results were ready.

@@ -50,11 +50,12 @@ from jax_dora.model import (
     KVCache,
     ModelConfig,
     Transformer,
+    head_logits,
     head_weight,
-    init_params,
     param_logical_specs,
     suppress_mask,
 )
+from jax_dora.model import abstract_params as model_abstract_params
 from jax_dora.model.tokenizer import PolicyTokenizer
 from jax_dora.rollout.sampling import sample_tokens
 from jax_dora.snapshots import SnapshotReader, abstract_target_like
@@ -88,6 +89,48 @@ class MultiVersionParams:
   @classmethod
   def single(cls, version: int, params: Params) -> "MultiVersionParams":
     return cls({int(version): params}, (int(version),))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeHint:
+  """What the host knows about a decode step, so its program can be static.
+
+  The driver tracks every slot's position and version on the host; passing
+  them here lets the engine pick, per step, a compiled program whose
+  attention reads cache entries ``[0, bucket)`` only and whose per-version
+  passes have fixed row counts, with no data-dependent ``while`` or ``cond``
+  on the device (on a GPU those copy a predicate to the host and wait on it,
+  and break command-buffer capture). Without a hint ``generate`` reads the
+  same facts from the decode state (a device-to-host sync per step).
+
+  Attributes:
+    max_position: upper bound on every active slot's position this step
+      (the index its pending token is written at; attention reads the
+      entries below it).
+    version_rows: version -> number of active slots pinned to it (an upper
+      bound is fine).
+  """
+
+  max_position: int
+  version_rows: Mapping[int, int]
+
+
+def decode_length_buckets(max_seq_len: int, smallest: int = 0) -> tuple[int, ...]:
+  """Static attention bounds of decode steps: doubling up to ``max_seq_len``.
+
+  Starts at ``max(256, max_seq_len // 16)`` unless ``smallest`` is given, so
+  a cache has at most five buckets (five compiled programs per pass shape;
+  one for caches of up to 256 entries, whose whole read costs less than a
+  weight read) and a step past the first bucket reads at most twice the
+  entries its longest live row needs.
+  """
+  b = max(1, min(int(smallest) or max(256, max_seq_len // 16), max_seq_len))
+  out = []
+  while b < max_seq_len:
+    out.append(b)
+    b *= 2
+  out.append(max_seq_len)
+  return tuple(out)
 
 
 @flax.struct.dataclass
@@ -129,6 +172,10 @@ class DoraResultTokens(engine_api.ResultTokens):
   """``ResultTokens`` plus the log-prob of each returned token, ``[B, 1]``."""
 
   logprobs: Any = None
+  # [] bool: the step's DecodeHint was wrong (a row's position past the
+  # attention bound, or more rows of a version than its pass holds), so
+  # some row's result is wrong; the driver raises on it.
+  hint_violated: Any = None
 
   def convert_to_numpy(self) -> "DoraResultTokens":
     return DoraResultTokens(
@@ -138,12 +185,14 @@ class DoraResultTokens(engine_api.ResultTokens):
         self.length_idx,
         self.samples_per_slot,
         logprobs=None if self.logprobs is None else np.asarray(self.logprobs),
+        hint_violated=None if self.hint_violated is None else np.asarray(self.hint_violated),
     )
 
   def copy_to_host_async(self) -> None:
     super().copy_to_host_async()
-    if isinstance(self.logprobs, jax.Array):
-      self.logprobs.copy_to_host_async()
+    for extra in (self.logprobs, self.hint_violated):
+      if isinstance(extra, jax.Array):
+        extra.copy_to_host_async()
 
   def get_logprobs_at_slot(self, slot: int) -> np.ndarray:
     start = slot * self.samples_per_slot
@@ -201,9 +250,10 @@ class DoraEngine(engine_api.Engine):
       seed: int = 0,
       tensor_parallel: int = 1,
       decode_attention: str = "blocked",
-      attention_block: int = 128,
+      attention_block: int = 0,
       prefill_batch_tokens: int = 4096,
       share_prompt_prefill: bool = True,
+      length_buckets: Sequence[int] = (),
   ):
     if num_slots < 1:
       raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -217,9 +267,9 @@ class DoraEngine(engine_api.Engine):
       )
     if decode_attention not in DECODE_ATTENTION:
       raise ValueError(f"decode_attention={decode_attention!r} is not one of {DECODE_ATTENTION}")
-    if attention_block < 1 or prefill_batch_tokens < 1:
-      raise ValueError(f"attention_block={attention_block} and prefill_batch_tokens="
-                       f"{prefill_batch_tokens} must be >= 1")
+    if attention_block < 0 or prefill_batch_tokens < 1:
+      raise ValueError(f"attention_block={attention_block} must be >= 0 and prefill_batch_tokens="
+                       f"{prefill_batch_tokens} >= 1")
     self.model_cfg = model_cfg
     self.tokenizer = tokenizer
     self.model = Transformer(model_cfg, decode_attention=decode_attention,
@@ -249,7 +299,8 @@ class DoraEngine(engine_api.Engine):
     self._heads_axis = "tensor" if tp > 1 else None
     self.param_sharding = self._param_sharding()
     slot_axis = "slots" if num_slots % (len(devices) // tp) == 0 else None
-    self._prefix_cache_sharding = NamedSharding(self._mesh, P(None, None, None, self._heads_axis))
+    self._slot_axis = slot_axis
+    self._prefix_cache_sharding = NamedSharding(self._mesh, P(None, None, self._heads_axis))
     self._state_sharding = self._decode_state_sharding(slot_axis)
     # Prefill draws its first-token randomness from a host-side counter (the
     # JetStream prefill signature has no rng argument); a lock keeps the
@@ -262,9 +313,14 @@ class DoraEngine(engine_api.Engine):
     self._rng_lock = threading.Lock()
     self._abstract_params: Params | None = None
     # Gathered sub-batch sizes for a version's rows (see
-    # _multi_version_step_impl): slots/8, /4, /2, then a full pass.
+    # _multi_version_step): slots/8, /4, /2, then a full pass.
     self._row_buckets = tuple(sorted(
         {max(1, self._num_slots // d) for d in (8, 4, 2)} - {self._num_slots})) + (self._num_slots,)
+    s = model_cfg.max_seq_len
+    self.length_buckets = (tuple(sorted({min(int(b), s) for b in length_buckets} | {s}))
+                           if length_buckets else decode_length_buckets(s))
+    if self.length_buckets[0] < 1:
+      raise ValueError(f"length_buckets {tuple(length_buckets)} must be >= 1")
     self._build_jitted()
 
   # ---------------------------------------------------------------- placement
@@ -277,7 +333,7 @@ class DoraEngine(engine_api.Engine):
 
   def _decode_state_sharding(self, slot_axis: str | None) -> DecodeState:
     row = NamedSharding(self._mesh, P(slot_axis))
-    cache = NamedSharding(self._mesh, P(None, slot_axis, None, self._heads_axis))
+    cache = NamedSharding(self._mesh, P(None, slot_axis, self._heads_axis))
     return DecodeState(
         cache=KVCache(k=cache, v=cache),
         tokens=row,
@@ -298,17 +354,32 @@ class DoraEngine(engine_api.Engine):
         self._prefill_batch_impl, donate_argnums=(1,),
         out_shardings=(st, self.replicated),
     )
-    result_sharding = (st, self.replicated, self.replicated)
+    r = self.replicated
+    result_sharding = (st, r, r, r)
+    # Static attention bound (and row count): one program per length bucket,
+    # none with a data-dependent loop or branch.
     self._single_fn = jax.jit(
-        self._single_version_step_impl, donate_argnums=(1,), out_shardings=result_sharding
-    )
-    # K live versions in one call (one compile per K <= max_versions): no
-    # accumulator copies and one dispatch per step instead of K + 4.
-    self._multi_fn = jax.jit(
-        self._multi_version_step_impl, donate_argnums=(1,), out_shardings=result_sharding
-    )
+        self._single_version_step_impl, static_argnames=("bound",), donate_argnums=(1,),
+        out_shardings=result_sharding)
+    # Several live versions: one dispatch per version's pass (a program per
+    # row bucket x length bucket, whatever the number of versions), each
+    # updating the donated accumulators in place, then one commit.
+    acc = self._acc_sharding()
+    self._empty_acc_fn = jax.jit(self._empty_step_acc, out_shardings=acc)
+    self._pass_fn = jax.jit(
+        self._decode_pass_impl, static_argnames=("size", "bound"), donate_argnums=(2,),
+        out_shardings=acc)
+    self._finish_fn = jax.jit(
+        self._finish_step_impl, donate_argnums=(0,), out_shardings=result_sharding)
     self._init_fn = jax.jit(self._init_impl, out_shardings=st)
     self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=st)
+
+  def _acc_sharding(self):
+    """Shardings of a decode step's accumulators (see ``_empty_step_acc``)."""
+    st = self._state_sharding
+    # New entries are [L, B, 1, Hkv, D] (not the cache's head-major layout).
+    new = NamedSharding(self._mesh, P(None, self._slot_axis, None, self._heads_axis))
+    return (KVCache(k=new, v=new), st.tokens, st.tokens, st.tokens, self.replicated)
 
   # ------------------------------------------------------------------- params
   def _prefix_sharding(self) -> Prefix:
@@ -323,7 +394,7 @@ class DoraEngine(engine_api.Engine):
     a small model, and every version load needs it.
     """
     if self._abstract_params is None:
-      shapes = jax.eval_shape(lambda r: init_params(self.model_cfg, r), jax.random.PRNGKey(0))
+      shapes = model_abstract_params(self.model_cfg)  # the shared, cached init trace
       self._abstract_params = abstract_target_like(shapes, self.param_sharding)
     return self._abstract_params
 
@@ -341,8 +412,10 @@ class DoraEngine(engine_api.Engine):
         jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract), self.param_sharding)
 
   def warmup(self, max_versions: int) -> None:
-    """Compiles prefill+insert (every bucket), decode for 1..``max_versions``
-    live versions and slot freeing ahead of time.
+    """Compiles prefill+insert (every bucket), decode for every length bucket
+    (and, with ``max_versions`` > 1, every multi-version pass: row bucket x
+    length bucket, whatever the number of versions) and slot freeing ahead
+    of time.
 
     Without it the first step that meets a second (third, ...) live version
     or a resumed request's longer prefill bucket compiles mid-run, stalling
@@ -362,9 +435,17 @@ class DoraEngine(engine_api.Engine):
         tokens = jax.ShapeDtypeStruct((u, t), jnp.int32)
         lengths = jax.ShapeDtypeStruct((u,), jnp.int32)
         self._prefill_batch_fn.lower(params, state, tokens, lengths, n, n, counts, i32, key).compile()
-    self._single_fn.lower(params, state, i32).compile()
-    for k in range(2, int(max_versions) + 1):
-      self._multi_fn.lower((params,) * k, state, np.arange(k, dtype=np.int32)).compile()
+    for bound in self.length_buckets:
+      self._single_fn.lower(params, state, i32, bound=bound).compile()
+    if int(max_versions) > 1:
+      acc = jax.eval_shape(self._empty_step_acc, state)
+      acc = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         acc, self._acc_sharding())
+      self._empty_acc_fn.lower(state).compile()
+      for size in self._row_buckets:
+        for bound in self.length_buckets:
+          self._pass_fn.lower(params, state, acc, i32, size=size, bound=bound).compile()
+      self._finish_fn.lower(state, acc).compile()
     self._free_fn.lower(state, i32).compile()
 
   # ------------------------------------------------------------------ prefill
@@ -384,7 +465,7 @@ class DoraEngine(engine_api.Engine):
     )
     # Only the last real position's logits are needed: [1, V], not [T, V].
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, axis=0, keepdims=True)
-    logits = last.astype(jnp.float32) @ head_weight(self.model_cfg, params).astype(jnp.float32)
+    logits = head_logits(last, head_weight(self.model_cfg, params))
     tok, logp = sample_tokens(logits, rng, self.temperature, self.top_p, self.suppress_mask)
     return Prefix(
         cache=cache,
@@ -480,16 +561,23 @@ class DoraEngine(engine_api.Engine):
         {"params": params}, tokens, positions, collect_kv=True, return_hidden=True)
     # Only each context's last real position is sampled from: [U, V], not [U, T, V].
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = last.astype(jnp.float32) @ head_weight(self.model_cfg, params).astype(jnp.float32)
+    logits = head_logits(last, head_weight(self.model_cfg, params))
     keys = jax.vmap(lambda c: jax.random.fold_in(base_key, c))(counts)
     tok, logp = jax.vmap(
         lambda lg, key: sample_tokens(lg[None], key, self.temperature, self.top_p,
                                       self.suppress_mask))(logits[src], keys)
     tok, logp = tok[:, 0], logp[:, 0]
     at_slot, at_pos = slots[:, None], jnp.arange(t, dtype=jnp.int32)[None, :]
+    at = (slice(None), at_slot, slice(None), at_pos)  # head-major cache: [L, B, Hkv, S, D]
+
+    def entries(new: jax.Array, cache: jax.Array) -> jax.Array:
+      # [L, N, T, Hkv, D] -> [N, T, L, Hkv, D]: advanced indices around a
+      # slice put the broadcast (slot, position) axes first.
+      return new[:, src].transpose(1, 2, 0, 3, 4).astype(cache.dtype)
+
     cache = KVCache(
-        k=state.cache.k.at[:, at_slot, at_pos].set(kv.k[:, src].astype(state.cache.k.dtype), mode="drop"),
-        v=state.cache.v.at[:, at_slot, at_pos].set(kv.v[:, src].astype(state.cache.v.dtype), mode="drop"),
+        k=state.cache.k.at[at].set(entries(kv.k, state.cache.k), mode="drop"),
+        v=state.cache.v.at[at].set(entries(kv.v, state.cache.v), mode="drop"),
     )
     new_state = state.replace(
         cache=cache,
@@ -624,36 +712,46 @@ class DoraEngine(engine_api.Engine):
 
   # ----------------------------------------------------------------- generate
   # A decode step's accumulators: the new k/v entries ``[L,B,1,H,D]``, the
-  # sampled tokens and log-probs ``[B]``, and which rows some pass owned.
-  # Passes only read ``state.cache``; the step commits every owned row's
-  # entry once, in place (``KVCache.write_step``), so a pass costs its rows'
-  # compute and never a copy of the cache.
+  # sampled tokens and log-probs ``[B]``, which rows some pass owned, and
+  # whether the host's hint was violated. Passes only read ``state.cache``;
+  # the step commits every owned row's entry once, in place
+  # (``KVCache.write_step``), so a pass costs its rows' compute and never a
+  # copy of the cache.
   def _empty_step_acc(self, state: DecodeState):
     cfg = self.model_cfg
     b = state.tokens.shape[0]
     shape = (cfg.n_layers, b, 1, cfg.n_kv_heads, cfg.head_dim)
     new = KVCache(k=jnp.zeros(shape, state.cache.k.dtype), v=jnp.zeros(shape, state.cache.v.dtype))
-    return (new, state.tokens, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool))
+    return (new, state.tokens, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool),
+            jnp.zeros((), bool))
 
-  def _decode_version_impl(self, params, state: DecodeState, acc, version, rng):
+  @staticmethod
+  def _version_key(state: DecodeState, version) -> jax.Array:
+    """The sampling key of ``version``'s rows this step (the same in the
+    fused single-version program and in a multi-version pass)."""
+    return jax.random.fold_in(jax.random.split(state.rng)[0], version)
+
+  def _decode_version_impl(self, params, state: DecodeState, acc, version, bound: int):
     """One decode pass of ``version`` over every slot; keeps the rows pinned to it.
 
     Rows of other versions run too (a full pass is cheaper than gathering
     when ``version`` holds most slots) and are discarded.
     """
-    acc_new, acc_tokens, acc_logp, owned = acc
+    acc_new, acc_tokens, acc_logp, owned, bad = acc
     logits, new = self.model.apply(
         {"params": params}, state.tokens[:, None], state.positions[:, None],
-        kv_cache=state.cache, defer_cache_write=True,
+        kv_cache=state.cache, defer_cache_write=True, kv_bound=bound,
     )
-    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p, self.suppress_mask)
+    tok, logp = sample_tokens(logits[:, 0], self._version_key(state, version), self.temperature,
+                              self.top_p, self.suppress_mask)
     mine = state.active & (state.version == version)
     sel = mine[None, :, None, None, None]
     acc_new = KVCache(k=jnp.where(sel, new.k, acc_new.k), v=jnp.where(sel, new.v, acc_new.v))
+    bad = bad | jnp.any(mine & (state.positions > bound))
     return (acc_new, jnp.where(mine, tok, acc_tokens), jnp.where(mine, logp, acc_logp),
-            owned | mine)
+            owned | mine, bad)
 
-  def _decode_rows_impl(self, params, state: DecodeState, acc, version, rng, size: int):
+  def _decode_rows_impl(self, params, state: DecodeState, acc, version, size: int, bound: int):
     """Like :meth:`_decode_version_impl`, but computes only the (at most
     ``size``) rows pinned to ``version``, gathered into a smaller batch.
 
@@ -661,27 +759,35 @@ class DoraEngine(engine_api.Engine):
     over every slot per version would multiply the decode cost by the number
     of live versions, while the rows themselves add up to one batch.
     """
-    acc_new, acc_tokens, acc_logp, owned = acc
+    acc_new, acc_tokens, acc_logp, owned, bad = acc
     b = state.tokens.shape[0]
     mine = state.active & (state.version == version)
     idx = jnp.nonzero(mine, size=size, fill_value=b)[0]  # b = padding
     rows = jnp.minimum(idx, b - 1)
     # The full cache goes in with the row indices: attention reads only those
-    # rows' live blocks instead of a gathered copy of whole rows.
+    # rows' entries below the bound instead of a gathered copy of whole rows.
     logits, new = self.model.apply(
         {"params": params}, state.tokens[rows][:, None], state.positions[rows][:, None],
-        kv_cache=state.cache, defer_cache_write=True, cache_rows=rows,
+        kv_cache=state.cache, defer_cache_write=True, cache_rows=rows, kv_bound=bound,
     )
-    tok, logp = sample_tokens(logits[:, 0], rng, self.temperature, self.top_p, self.suppress_mask)
+    tok, logp = sample_tokens(logits[:, 0], self._version_key(state, version), self.temperature,
+                              self.top_p, self.suppress_mask)
     acc_new = KVCache(
         k=acc_new.k.at[:, idx].set(new.k, mode="drop"),
         v=acc_new.v.at[:, idx].set(new.v, mode="drop"),
     )
+    bad = bad | (jnp.sum(mine) > size) | jnp.any(mine & (state.positions > bound))
     return (acc_new, acc_tokens.at[idx].set(tok, mode="drop"),
-            acc_logp.at[idx].set(logp, mode="drop"), owned | mine)
+            acc_logp.at[idx].set(logp, mode="drop"), owned | mine, bad)
 
-  def _finish_step_impl(self, state: DecodeState, acc, next_rng):
-    new, tokens, logp, owned = acc
+  def _decode_pass_impl(self, params, state: DecodeState, acc, version, *, size: int, bound: int):
+    """One version's pass of a multi-version step (``size`` rows; all = full pass)."""
+    if size >= self._num_slots:
+      return self._decode_version_impl(params, state, acc, version, bound)
+    return self._decode_rows_impl(params, state, acc, version, size, bound)
+
+  def _finish_step_impl(self, state: DecodeState, acc):
+    new, tokens, logp, owned, bad = acc
     s = self.model_cfg.max_seq_len
     active = state.active
     # ``tokens >= 0`` is always true, but it makes the in-place cache write
@@ -695,45 +801,37 @@ class DoraEngine(engine_api.Engine):
     positions = jnp.where(active, jnp.minimum(state.positions + 1, s), state.positions)
     lengths = jnp.where(active, state.lengths + 1, state.lengths)
     new_state = state.replace(
-        cache=cache, tokens=tokens, positions=positions, lengths=lengths, rng=next_rng
-    )
+        cache=cache, tokens=tokens, positions=positions, lengths=lengths,
+        rng=jax.random.split(state.rng)[1])
     data = jnp.stack([tokens, active.astype(jnp.int32), lengths], axis=1)
-    return new_state, data, logp[:, None]
+    return new_state, data, logp[:, None], bad
 
-  def _single_version_step_impl(self, params, state: DecodeState, version):
+  def _single_version_step_impl(self, params, state: DecodeState, version, *, bound: int):
     """The common one-live-version case: one pass, one in-place commit."""
-    rng, next_rng = jax.random.split(state.rng)
-    acc = self._decode_version_impl(
-        params, state, self._empty_step_acc(state), version, jax.random.fold_in(rng, version))
-    return self._finish_step_impl(state, acc, next_rng)
+    acc = self._decode_version_impl(params, state, self._empty_step_acc(state), version, bound)
+    return self._finish_step_impl(state, acc)
 
-  def _multi_version_step_impl(self, params_list, state: DecodeState, versions):
-    """One pass per live version over that version's rows; one commit.
+  def _length_bucket(self, max_position: int) -> int:
+    for b in self.length_buckets:
+      if max_position <= b:
+        return b
+    return self.length_buckets[-1]  # positions never pass max_seq_len
 
-    Each version decodes only its own rows, gathered into the smallest of
-    ``row_buckets`` that holds them (a full pass when it holds most slots);
-    the bucket is chosen per step on device, so K live versions cost about
-    one pass over the slots rather than K.
-    """
-    rng, next_rng = jax.random.split(state.rng)
-    acc = self._empty_step_acc(state)
-    sizes = self._row_buckets
-    for i, params in enumerate(params_list):
-      v, key = versions[i], jax.random.fold_in(rng, versions[i])
-      branches = [
-          (lambda a, p=params, v=v, k=key, n=n: self._decode_rows_impl(p, state, a, v, k, n))
-          for n in sizes[:-1]
-      ] + [lambda a, p=params, v=v, k=key: self._decode_version_impl(p, state, a, v, k)]
-      if len(branches) == 1:
-        acc = branches[0](acc)
-        continue
-      count = jnp.sum(state.active & (state.version == v))
-      which = jnp.searchsorted(jnp.asarray(sizes[:-1], jnp.int32), count)  # first size >= count
-      acc = jax.lax.switch(which, branches, acc)
-    return self._finish_step_impl(state, acc, next_rng)
+  def _row_bucket(self, rows: int) -> int:
+    return next((r for r in self._row_buckets if rows <= r), self._num_slots)
+
+  def decode_hint(self, decode_state: DecodeState, live: Sequence[int] = ()) -> DecodeHint:
+    """The exact hint for ``decode_state``, read from the device (a sync:
+    the driver tracks the same facts on the host instead)."""
+    positions, active, version = jax.device_get(
+        (decode_state.positions, decode_state.active, decode_state.version))
+    pos = positions[active]
+    rows = {int(v): int(np.sum(active & (version == v))) for v in live or np.unique(version[active])}
+    return DecodeHint(int(pos.max()) if pos.size else 0, rows)
 
   def generate(
-      self, params: MultiVersionParams | Params, decode_state: DecodeState
+      self, params: MultiVersionParams | Params, decode_state: DecodeState,
+      hint: DecodeHint | None = None,
   ) -> tuple[DecodeState, DoraResultTokens]:
     """Advances every active slot by one token under its pinned version.
 
@@ -742,6 +840,10 @@ class DoraEngine(engine_api.Engine):
         ``live`` is empty, every version in ``params``). A plain param tree is
         treated as version 0.
       decode_state: Donated.
+      hint: Host-side bounds that pick the static program (see
+        :class:`DecodeHint`); ``None`` reads them from ``decode_state``,
+        which waits for the device. A wrong hint is reported in the result's
+        ``hint_violated``, never silently used.
 
     Returns:
       The new state and a ``[B, 3]`` (token, valid, length) result with
@@ -752,17 +854,34 @@ class DoraEngine(engine_api.Engine):
     if not isinstance(params, MultiVersionParams):
       params = MultiVersionParams.single(0, params)
     live = params.live or tuple(sorted(params.params))
+    if hint is None:
+      hint = self.decode_hint(decode_state, live)
+    bound = self._length_bucket(int(hint.max_position))
     if len(live) == 1:
       v = live[0]
-      new_state, data, logp = self._single_fn(params.params[v], decode_state, np.int32(v))
-      return new_state, self._result(data, logp)
-    new_state, data, logp = self._multi_fn(
-        tuple(params.params[v] for v in live), decode_state, np.asarray(live, np.int32)
-    )
-    return new_state, self._result(data, logp)
+      out = self._single_fn(params.params[v], decode_state, np.int32(v), bound=bound)
+    else:
+      out = self._multi_version_step(params, live, decode_state, hint, bound)
+    new_state, data, logp, bad = out
+    return new_state, self._result(data, logp, bad)
+
+  def _multi_version_step(self, params: MultiVersionParams, live: Sequence[int],
+                          state: DecodeState, hint: DecodeHint, bound: int):
+    """One pass per live version over that version's rows; one commit.
+
+    Each version decodes only its own rows, gathered into the smallest of
+    ``row_buckets`` that holds the host's count (a full pass when it holds
+    more than half the slots), so K live versions cost about one pass over
+    the slots rather than K, and every program is static.
+    """
+    acc = self._empty_acc_fn(state)
+    for v in live:
+      size = self._row_bucket(int(hint.version_rows.get(v, self._num_slots)))
+      acc = self._pass_fn(params.params[v], state, acc, np.int32(v), size=size, bound=bound)
+    return self._finish_fn(state, acc)
 
   @staticmethod
-  def _result(data: jax.Array, logp: jax.Array) -> DoraResultTokens:
+  def _result(data: jax.Array, logp: jax.Array, bad: jax.Array) -> DoraResultTokens:
     return DoraResultTokens(
         data=data,
         tokens_idx=(0, 1),
@@ -770,6 +889,7 @@ class DoraEngine(engine_api.Engine):
         length_idx=(2, 3),
         samples_per_slot=1,
         logprobs=logp,
+        hint_violated=bad,
     )
 
   # ------------------------------------------------------------- decode state
@@ -874,4 +994,5 @@ def build_engine(
       attention_block=r.attention_block,
       prefill_batch_tokens=r.prefill_batch_tokens,
       share_prompt_prefill=r.share_prompt_prefill,
+      length_buckets=[int(b) for b in str(r.decode_length_buckets).split(",") if b.strip()],
   )
