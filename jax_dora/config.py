@@ -211,7 +211,7 @@ def base_config() -> ml_collections.ConfigDict:
           # where XLA is ~5x faster over cache-sized blocks).
           # "dense" scores the whole cache (the old path, to measure against).
           # decode_length_buckets: comma-separated bounds, "" = doubling from
-          # max(256, model.max_seq_len // 16); model.max_seq_len is always the
+          # max(128, model.max_seq_len // 32); model.max_seq_len is always the
           # last. Each bucket is a compiled decode program (times the
           # multi-version pass shapes), so few buckets = short warm-up.
           decode_attention="blocked",

@@ -114,17 +114,21 @@ class DecodeHint:
   max_position: int
   version_rows: Mapping[int, int]
 
+  def advanced(self, steps: int = 1) -> "DecodeHint":
+    """The hint ``steps`` decode steps later, with no slot admitted or freed
+    (every active slot's position advances by one per step)."""
+    return dataclasses.replace(self, max_position=self.max_position + int(steps))
+
 
 def decode_length_buckets(max_seq_len: int, smallest: int = 0) -> tuple[int, ...]:
   """Static attention bounds of decode steps: doubling up to ``max_seq_len``.
 
-  Starts at ``max(256, max_seq_len // 16)`` unless ``smallest`` is given, so
-  a cache has at most five buckets (five compiled programs per pass shape;
-  one for caches of up to 256 entries, whose whole read costs less than a
-  weight read) and a step past the first bucket reads at most twice the
-  entries its longest live row needs.
+  Starts at ``max(128, max_seq_len // 32)`` unless ``smallest`` is given, so
+  a cache has at most six buckets (six compiled programs per pass shape; one
+  for caches of up to 128 entries) and a step past the first bucket reads at
+  most twice the entries its longest live row needs.
   """
-  b = max(1, min(int(smallest) or max(256, max_seq_len // 16), max_seq_len))
+  b = max(1, min(int(smallest) or max(128, max_seq_len // 32), max_seq_len))
   out = []
   while b < max_seq_len:
     out.append(b)
@@ -319,6 +323,8 @@ class DoraEngine(engine_api.Engine):
     s = model_cfg.max_seq_len
     self.length_buckets = (tuple(sorted({min(int(b), s) for b in length_buckets} | {s}))
                            if length_buckets else decode_length_buckets(s))
+    if decode_attention == "dense":  # reads the whole cache whatever the bound
+      self.length_buckets = (s,)
     if self.length_buckets[0] < 1:
       raise ValueError(f"length_buckets {tuple(length_buckets)} must be >= 1")
     self._build_jitted()
@@ -422,10 +428,7 @@ class DoraEngine(engine_api.Engine):
     every slot of the server for seconds. Lowering uses abstract params and
     never executes, so no decode state is consumed.
     """
-    params = self.abstract_params()
-    state = jax.eval_shape(self._init_impl, jax.random.PRNGKey(0))
-    state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, self._state_sharding)
+    params, state = self.abstract_params(), self._abstract_state()
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self.replicated)
     i32 = np.int32(0)
     n = jax.ShapeDtypeStruct((self._num_slots,), jnp.int32)
@@ -435,6 +438,18 @@ class DoraEngine(engine_api.Engine):
         tokens = jax.ShapeDtypeStruct((u, t), jnp.int32)
         lengths = jax.ShapeDtypeStruct((u,), jnp.int32)
         self._prefill_batch_fn.lower(params, state, tokens, lengths, n, n, counts, i32, key).compile()
+    self.warmup_decode(max_versions)
+    self._free_fn.lower(state, i32).compile()
+
+  def _abstract_state(self) -> DecodeState:
+    state = jax.eval_shape(self._init_impl, jax.random.PRNGKey(0))
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, self._state_sharding)
+
+  def warmup_decode(self, max_versions: int) -> None:
+    """The decode part of :meth:`warmup`: every length bucket's program and,
+    with ``max_versions`` > 1, every multi-version pass shape."""
+    params, state, i32 = self.abstract_params(), self._abstract_state(), np.int32(0)
     for bound in self.length_buckets:
       self._single_fn.lower(params, state, i32, bound=bound).compile()
     if int(max_versions) > 1:
@@ -446,7 +461,6 @@ class DoraEngine(engine_api.Engine):
         for bound in self.length_buckets:
           self._pass_fn.lower(params, state, acc, i32, size=size, bound=bound).compile()
       self._finish_fn.lower(state, acc).compile()
-    self._free_fn.lower(state, i32).compile()
 
   # ------------------------------------------------------------------ prefill
   def _next_prefill_count(self) -> int:
