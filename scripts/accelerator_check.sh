@@ -5,12 +5,13 @@
 #   tests, benchmarks/accelerator.py's tables and JSON per shape, and the
 #   jax.profiler trace of one decode loop and one learner step (profile.tgz).
 # Sized for ~8 minutes of a 15-minute device budget; SHAPES / SECTIONS / the
-# timeouts below trim it.
+# timeouts below trim it. A CPU dry run of the script itself:
+#   SKIP_WHEELS=1 ACC_ARGS=--small SHAPES= PATH=.venv/bin:$PATH bash scripts/accelerator_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/accelerator_out}"
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PWD"
@@ -28,10 +29,11 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TEST_TIMEOUT:-180}" \
   > "$OUT/tests.txt"
 
 # 2. The benchmark: 0.5B every section (with profiles), then the larger shapes.
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/accelerator.py --shape 0.5b \
+# shellcheck disable=SC2086  # ACC_ARGS is a word list
+timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/accelerator.py --shape 0.5b ${ACC_ARGS:-} \
   --json "$OUT/acc_0.5b.json" --profile /tmp/prof 2>&1 | tail -60 > "$OUT/acc_0.5b.txt"
 tar czf "$OUT/profile.tgz" -C /tmp prof 2>/dev/null
-for shape in ${SHAPES:-1.5b 7b}; do
+for shape in ${SHAPES-1.5b 7b}; do
   timeout "${BIG_TIMEOUT:-120}" python3 benchmarks/accelerator.py --shape "$shape" \
     --sections "${SECTIONS:-env,decode,learner}" --slots 64 --versions 1,2 \
     --json "$OUT/acc_$shape.json" 2>&1 | tail -40 > "$OUT/acc_$shape.txt"
