@@ -125,14 +125,17 @@ def decode_length_buckets(max_seq_len: int, smallest: int = 0) -> tuple[int, ...
 
   Starts at ``max(128, max_seq_len // 32)`` unless ``smallest`` is given, so
   a cache has at most six buckets (six compiled programs per pass shape; one
-  for caches of up to 128 entries) and a step past the first bucket reads at
-  most twice the entries its longest live row needs.
+  for caches of up to 160 entries) and a step past the first bucket reads at
+  most 2.5x the entries its longest live row needs (the last doubling is
+  dropped when ``max_seq_len`` is within 1.25x of it).
   """
   b = max(1, min(int(smallest) or max(128, max_seq_len // 32), max_seq_len))
   out = []
   while b < max_seq_len:
     out.append(b)
     b *= 2
+  if out and max_seq_len <= 1.25 * out[-1]:
+    out.pop()  # 2048 next to 2400: a program of its own for a <= 25% shorter read
   out.append(max_seq_len)
   return tuple(out)
 
