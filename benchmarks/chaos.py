@@ -182,6 +182,9 @@ def main() -> int:
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--servers", type=int, default=2)
   ap.add_argument("--interval", type=float, default=15.0, help="seconds between chaos events")
+  ap.add_argument("--interval-steps", type=int, default=0,
+                  help="also wait this many learner steps between events, so a fixed schedule"
+                       " lands inside the run however fast the learner is (0 = time only)")
   ap.add_argument("--stop-seconds", type=float, default=130.0)
   ap.add_argument("--restart-after", type=float, default=3.0)
   ap.add_argument("--learner-kills", type=int, default=2)
@@ -215,6 +218,7 @@ def main() -> int:
   try:
     learner.start()
     next_event = time.time() + args.interval
+    next_step = 1  # events start once the learner has logged a step
     while True:
       now = time.time()
       if now - t0 > args.timeout:
@@ -234,7 +238,7 @@ def main() -> int:
           print(f"learner exited with {code}; logs in {logs}", file=sys.stderr)
           return 2
         break
-      if now >= next_event and learner.steps_logged() >= 1:
+      if now >= next_event and learner.steps_logged() >= next_step:
         next_event = now + args.interval
         if scheduled:
           if not schedule:
@@ -262,6 +266,7 @@ def main() -> int:
           continue
         if schedule:
           schedule.pop(0)
+        next_step = max(1, learner.steps_logged() + args.interval_steps)
         events[what] += 1
         print(f"[{now - t0:6.1f}s] {what} (learner at step {learner.steps_logged()})", flush=True)
       time.sleep(0.2)
