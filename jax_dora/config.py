@@ -374,7 +374,9 @@ def hf_model_config(hf_path: str = "", **run_fields) -> ml_collections.ConfigDic
   """
   from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
 
-  run_level = ("hf_path", "max_seq_len", "param_dtype", "dtype", "attention_impl")
+  from jax_dora.model.hf_checkpoint import RUN_LEVEL_FIELDS  # pylint: disable=g-import-not-at-top
+
+  run_level = ("hf_path", *RUN_LEVEL_FIELDS)
   block = ml_collections.ConfigDict({
       k: v if k in run_level else config_dict.placeholder(type(v))
       for k, v in base_config().model.items()

@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from jax_dora.model import CharTokenizer, ModelConfig, suppress_mask
+from jax_dora.model.hf_checkpoint import RUN_LEVEL_FIELDS
 from jax_dora.model.tokenizer import PolicyTokenizer
 
 _log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class PolicySpec:
 
 def _architecture_overrides(model: ml_collections.ConfigDict) -> dict[str, Any]:
   """Architecture values the run config sets explicitly (non-None)."""
-  skip = ("hf_path", "max_seq_len", "param_dtype", "dtype", "attention_impl")
+  skip = ("hf_path", *RUN_LEVEL_FIELDS)
   return {k: v for k, v in model.items() if k not in skip and v is not None}
 
 

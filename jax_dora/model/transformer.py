@@ -83,14 +83,13 @@ def _group(q: jax.Array, n_kv: int) -> jax.Array:
 # next step (DESIGN.md, Accelerator speed).
 
 
-def attention_implementation(cfg: ModelConfig, head_dim: int | None = None) -> str:
+def attention_implementation(cfg: ModelConfig) -> str:
   """The kernel ``jax.nn.dot_product_attention`` gets for ``cfg`` here."""
   impl = cfg.attention_impl
   if impl != "auto":
     return impl
-  d = cfg.head_dim if head_dim is None else head_dim
   if (jax.default_backend() == "gpu" and cfg.jnp_dtype in (jnp.bfloat16, jnp.float16)
-      and d % 8 == 0 and d <= 128):
+      and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128):
     return "cudnn"
   return "xla"
 
@@ -269,7 +268,7 @@ class Attention(nn.Module):
       if self.collect_kv:
         new_cache = (k, v)
     elif self.defer_cache_write:
-      ck, cv = layer_cache  # the whole [L, B, S, Hkv, D] cache, read in place
+      ck, cv = layer_cache  # the whole head-major [L, B, Hkv, S, D] cache, read in place
       # "dense" scores the whole cache in one chunk (the old path, kept to
       # measure against); "blocked" reads the host's bound in chunks.
       s = ck.shape[3]

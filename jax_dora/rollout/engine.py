@@ -120,6 +120,17 @@ class DecodeHint:
     return dataclasses.replace(self, max_position=self.max_position + int(steps))
 
 
+def _smallest_holding(buckets: Sequence[int], n: int) -> int | None:
+  """The first of the ascending ``buckets`` that is ``>= n`` (None: none is)."""
+  return next((b for b in buckets if n <= b), None)
+
+
+def _with_shardings(shapes: Any, shardings: Any) -> Any:
+  """``ShapeDtypeStruct`` leaves of ``shapes`` placed on ``shardings`` (for AOT lowering)."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      shapes, shardings)
+
+
 def decode_length_buckets(max_seq_len: int, smallest: int = 0) -> tuple[int, ...]:
   """Static attention bounds of decode steps: doubling up to ``max_seq_len``.
 
@@ -445,9 +456,8 @@ class DoraEngine(engine_api.Engine):
     self._free_fn.lower(state, i32).compile()
 
   def _abstract_state(self) -> DecodeState:
-    state = jax.eval_shape(self._init_impl, jax.random.PRNGKey(0))
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, self._state_sharding)
+    return _with_shardings(jax.eval_shape(self._init_impl, jax.random.PRNGKey(0)),
+                           self._state_sharding)
 
   def warmup_decode(self, max_versions: int) -> None:
     """The decode part of :meth:`warmup`: every length bucket's program and,
@@ -456,9 +466,7 @@ class DoraEngine(engine_api.Engine):
     for bound in self.length_buckets:
       self._single_fn.lower(params, state, i32, bound=bound).compile()
     if int(max_versions) > 1:
-      acc = jax.eval_shape(self._empty_step_acc, state)
-      acc = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         acc, self._acc_sharding())
+      acc = _with_shardings(jax.eval_shape(self._empty_step_acc, state), self._acc_sharding())
       self._empty_acc_fn.lower(state).compile()
       for size in self._row_buckets:
         for bound in self.length_buckets:
@@ -688,19 +696,16 @@ class DoraEngine(engine_api.Engine):
     return state, int(tok), float(lp)
 
   def _bucket(self, n: int) -> int:
-    for b in self.buckets:
-      if n <= b:
-        return b
-    raise ValueError(f"{n} tokens exceed max_seq_len={self.model_cfg.max_seq_len}")
+    b = _smallest_holding(self.buckets, n)
+    if b is None:
+      raise ValueError(f"{n} tokens exceed max_seq_len={self.model_cfg.max_seq_len}")
+    return b
 
   def pad_tokens(self, tokens: np.ndarray) -> tuple[np.ndarray, int]:
     """Right-pads ``tokens`` with PAD to the smallest bucket that fits."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     n = int(tokens.shape[0])
-    for b in self.buckets:
-      if n <= b:
-        return np.pad(tokens, (0, b - n), constant_values=self.tokenizer.pad_id), n
-    raise ValueError(f"{n} tokens exceed max_seq_len={self.model_cfg.max_seq_len}")
+    return np.pad(tokens, (0, self._bucket(n) - n), constant_values=self.tokenizer.pad_id), n
 
   # ------------------------------------------------------------------- insert
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
@@ -829,13 +834,11 @@ class DoraEngine(engine_api.Engine):
     return self._finish_step_impl(state, acc)
 
   def _length_bucket(self, max_position: int) -> int:
-    for b in self.length_buckets:
-      if max_position <= b:
-        return b
-    return self.length_buckets[-1]  # positions never pass max_seq_len
+    # Positions never pass max_seq_len, the last bucket.
+    return _smallest_holding(self.length_buckets, max_position) or self.length_buckets[-1]
 
   def _row_bucket(self, rows: int) -> int:
-    return next((r for r in self._row_buckets if rows <= r), self._num_slots)
+    return _smallest_holding(self._row_buckets, rows) or self._num_slots
 
   def decode_hint(self, decode_state: DecodeState, live: Sequence[int] = ()) -> DecodeHint:
     """The exact hint for ``decode_state``, read from the device (a sync:
@@ -987,6 +990,8 @@ def build_engine(
   ``policy``: a resolved :class:`jax_dora.policy.PolicySpec` (model config
   and tokenizer); resolved from ``config`` when not given.
   """
+  from jax_dora.config import split_csv  # pylint: disable=g-import-not-at-top
+
   if policy is None:
     from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
 
@@ -1011,5 +1016,5 @@ def build_engine(
       attention_block=r.attention_block,
       prefill_batch_tokens=r.prefill_batch_tokens,
       share_prompt_prefill=r.share_prompt_prefill,
-      length_buckets=[int(b) for b in str(r.decode_length_buckets).split(",") if b.strip()],
+      length_buckets=split_csv(r.decode_length_buckets, int),
   )
