@@ -1,7 +1,14 @@
 """Every training mode on the same long-tailed workload, side by side.
 
-Each mode runs in fresh processes (same seed, same config, same wall-clock
-budget) on one workload (``--workload``):
+Each mode runs in fresh processes (same config, same wall-clock budget) on
+one workload (``--workload``), in **interleaved rounds**: every round runs
+every mode once, in an order shuffled per round, with ``config.seed`` = the
+round's index. A mode's speed is read as its ratio to ``sync`` *of the same
+round*, and the table gives the median and the min-max range of those
+per-round ratios: this VM's speed drifts by up to 2x over twenty minutes, and
+modes run one after another in a fixed order turned that drift into
+"ratios" (12-04: dora_pace / async_unfiltered 0.76x in one pass, 0.95x in
+the next).
 
 * ``long_tail`` (default, ``configs/long_tail.py``): a rollout-dominated
   workload whose rollout lengths follow a power law fixed by the workload;
@@ -15,8 +22,8 @@ The table reports, measured in this one run:
 * trained tokens/s (completion tokens the learner consumed per second) and its
   ratio to ``sync``;
 * learner bubble ratio (share of step time the learner waited for data);
-* held-out reward at the end of the budget (512 prompts) with its standard
-  error (a difference between modes smaller than about twice that is noise),
+* held-out reward at the end of the budget (512 prompts), mean over rounds
+  with the standard error across rounds (seeds: training noise included),
   and the mean training reward of the last steps;
 * rollout tokens wasted (generated but never trained: evicted as stale,
   rejected by PACE, or still in flight at the end);
@@ -39,9 +46,9 @@ Placement (``--placement``):
   cannot buy compute there, so this placement measures only what DORA saves
   in rollout work (no tail waste), not the bubble it removes.
 
-Usage: python benchmarks/modes.py [--budget_s 60] [--modes sync,dora,...]
+Usage: python benchmarks/modes.py [--rounds 3] [--budget_s 40] [--modes sync,dora,...]
                                   [--workload long_tail|long_context]
-                                  [--placement split|shared] [--seeds N]
+                                  [--placement split|shared] [--json FILE]
                                   [--config.x=y ...]
 """
 
@@ -51,6 +58,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import pathlib
 import signal
 import socket
@@ -98,6 +106,26 @@ def split_cores() -> tuple[list[int], list[int]]:
   return cores[:half], cores[half:]
 
 
+def _wait_until_serving(proc: subprocess.Popen, log_path: pathlib.Path,
+                        timeout_s: float = 600.0) -> None:
+  """Blocks until the server logs that it serves (its programs compiled).
+
+  The learner's clock starts after its own compilation; without this wait a
+  server still compiling (a cold cache) was charged to the first steps of
+  whichever mode ran, and the dispatcher's 10 s suspect period after the
+  refused connection came on top.
+  """
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      raise SystemExit(f"the rollout server exited with code {proc.returncode} before serving:"
+                       f" see {log_path}")
+    if "serving on" in log_path.read_text(errors="replace"):
+      return
+    time.sleep(0.25)
+  raise SystemExit(f"the rollout server did not start serving within {timeout_s:.0f}s: see {log_path}")
+
+
 @contextlib.contextmanager
 def rollout_server(out: pathlib.Path, cores: list[int], extra: list[str]):
   """A gRPC rollout server process on ``cores``; yields its address."""
@@ -110,6 +138,7 @@ def rollout_server(out: pathlib.Path, cores: list[int], extra: list[str]):
        "--config.rollout.slots=64", *extra],
       cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pin(cores))
   try:
+    _wait_until_serving(proc, out / "rollout_server.log")
     yield f"localhost:{port}"
   finally:
     proc.send_signal(signal.SIGTERM)
@@ -169,28 +198,92 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   return summary
 
 
-def _mean_over_seeds(summaries: list[dict]) -> dict:
-  """One row from a mode's runs: means; eval R's error is across seeds when
-  there are several (training noise included), else the eval's own."""
-  if len(summaries) == 1:
-    return summaries[0]
-  row = dict(summaries[0])
-  for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share", "mean_reward_last",
-              "reprefill_tokens"):
-    row[key] = statistics.mean(s[key] for s in summaries)
-  row["steps"] = round(row["steps"])
-  evals = [s["final_eval_reward"] for s in summaries if s.get("final_eval_reward") is not None]
-  if evals:
-    row["final_eval_reward"] = statistics.mean(evals)
-    row["final_eval_reward_stderr"] = (
-        statistics.stdev(evals) / len(evals) ** 0.5 if len(evals) > 1 else None)
-  row["integrity_violations"] = [v for s in summaries for v in s["integrity_violations"]]
-  return row
+def ratio_spread(values: list[float]) -> dict:
+  """Median, min, max and mean ± standard error of per-round values.
+
+  The median and the range are what to quote: with a few rounds on a machine
+  whose speed drifts, one slow round moves a mean but not a median.
+  """
+  vals = sorted(v for v in values if v == v)  # NaN-free
+  if not vals:
+    return {"median": float("nan"), "min": float("nan"), "max": float("nan"),
+            "mean": float("nan"), "se": float("nan"), "n": 0}
+  se = statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan")
+  return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1],
+          "mean": statistics.mean(vals), "se": se, "n": len(vals)}
+
+
+def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str, dict]:
+  """One row per mode from its per-round summaries (``runs[mode][round]``).
+
+  Each mode's tokens/s is divided by the reference mode's tokens/s *of the same
+  round* before aggregating: the modes of a round ran within minutes of each
+  other in shuffled order, so machine drift between rounds cancels in the
+  ratio instead of landing on whichever mode happened to run in a slow spell.
+  """
+  rows = {}
+  for mode, sums in runs.items():
+    row = {"rounds": len(sums)}
+    for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share",
+                "mean_reward_last", "reprefill_tokens", "prefill_tokens",
+                "prefill_tokens_computed"):
+      row[key] = statistics.mean(s.get(key) or 0.0 for s in sums)
+    row["bubble"] = ratio_spread([s["bubble_ratio"] for s in sums])
+    if ref in runs and len(runs[ref]) == len(sums):
+      row["x_ref"] = ratio_spread([s["trained_tokens_per_s"] / max(r["trained_tokens_per_s"], 1e-9)
+                                   for s, r in zip(sums, runs[ref])])
+    evals = [s["final_eval_reward"] for s in sums if s.get("final_eval_reward") is not None]
+    if evals:
+      row["final_eval_reward"] = statistics.mean(evals)
+      # Across rounds (each round has its own seed): training noise included.
+      # One round: the eval's own sampling error.
+      row["final_eval_reward_stderr"] = (
+          statistics.stdev(evals) / len(evals) ** 0.5 if len(evals) > 1
+          else sums[0].get("final_eval_reward_stderr"))
+    row["integrity_violations"] = [v for s in sums for v in s.get("integrity_violations", [])]
+    rows[mode] = row
+  return rows
+
+
+def round_order(modes: list[str], rnd: int, seed: int) -> list[str]:
+  """The modes of round ``rnd`` in a shuffled order (reproducible from ``seed``)."""
+  order = list(modes)
+  random.Random(seed * 1000 + rnd).shuffle(order)
+  return order
+
+
+def _fmt_spread(sp: dict | None, pct: bool = False) -> str:
+  if not sp or not sp["n"]:
+    return "n/a"
+  f = (lambda v: f"{v:.0%}") if pct else (lambda v: f"{v:.2f}")
+  if sp["n"] == 1:
+    return f(sp["median"])
+  return f"{f(sp['median'])} [{f(sp['min'])}-{f(sp['max'])}]"
+
+
+def print_table(rows: dict[str, dict]) -> None:
+  print(f"{'mode':<18}{'steps':>6}{'tok/s':>8}{'x sync [range]':>18}{'bubble [range]':>17}"
+        f"{'wasted':>8}{'eval R':>8}{'± se':>7}{'train R':>8}{'re-prefill':>11}{'violations':>11}")
+  for m, s in rows.items():
+    ev = s.get("final_eval_reward")
+    print(
+        f"{m:<18}{s['steps']:>6.0f}{s['trained_tokens_per_s']:>8.0f}"
+        f"{_fmt_spread(s.get('x_ref')):>18}{_fmt_spread(s['bubble'], pct=True):>17}"
+        f"{s['wasted_share']:>8.1%}"
+        f"{(ev if ev is not None else float('nan')):>8.3f}"
+        f"{(s.get('final_eval_reward_stderr') or float('nan')):>7.3f}"
+        f"{s['mean_reward_last']:>8.3f}{s['reprefill_tokens']:>11.0f}"
+        f"{len(s['integrity_violations']):>11}"
+    )
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--budget_s", type=float, default=60.0, help="training wall-clock budget per mode")
+  ap.add_argument("--budget_s", type=float, default=40.0,
+                  help="training wall-clock budget of one mode in one round")
+  ap.add_argument("--rounds", type=int, default=3,
+                  help="rounds; every mode runs once per round, in a shuffled order, with"
+                       " config.seed = round index")
   ap.add_argument("--modes", default=",".join(ALL_MODES))
   ap.add_argument("--placement", choices=("split", "shared"), default="split",
                   help="split: learner and rollout on disjoint cores (default); shared: one process")
@@ -198,61 +291,61 @@ def main() -> None:
   ap.add_argument("--workload", choices=sorted(WORKLOADS), default="long_tail",
                   help="long_tail (configs/long_tail.py) or long_context (configs/long_context.py)")
   ap.add_argument("--out", default="", help="directory for per-mode runs (default: temp)")
-  ap.add_argument("--seeds", type=int, default=1,
-                  help="runs per mode (config.seed 0..N-1); the table shows means and, for eval R,"
-                       " the standard error across seeds, which includes training noise")
+  ap.add_argument("--shuffle_seed", type=int, default=0, help="seeds the per-round mode order")
+  ap.add_argument("--json", default="", help="also write the aggregated table here")
   a, overrides = ap.parse_known_args()
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
     ap.error(f"unrecognized arguments {bad} (config overrides look like --config.x=y)")
+  if a.rounds < 1:
+    ap.error("--rounds must be >= 1")
   global CONFIG
   CONFIG = WORKLOADS[a.workload]
-  budget = 25.0 if a.quick else a.budget_s
+  budget = 20.0 if a.quick else a.budget_s
   base = pathlib.Path(a.out or tempfile.mkdtemp(prefix="jax_dora_modes_"))
   modes = [m for m in a.modes.split(",") if m]
   where = a.placement
   if where == "split":
     learner_cores, rollout_cores = split_cores()
     where += f" (learner cores {learner_cores}, rollout cores {rollout_cores})"
-  print(f"workload {CONFIG} {' '.join(overrides)}; placement {where}", flush=True)
+  print(f"workload {CONFIG} {' '.join(overrides)}; placement {where}; {a.rounds} round(s) of"
+        f" {budget:.0f}s per mode, order shuffled per round", flush=True)
   runs: dict[str, list[dict]] = {m: [] for m in modes}
-  for seed in range(a.seeds):
-    for m in modes:
-      tag = f" (seed {seed})" if a.seeds > 1 else ""
-      print(f"running {m}{tag} for {budget:.0f}s ...", flush=True)
-      out = base / m if a.seeds == 1 else base / f"{m}_seed{seed}"
-      runs[m].append(run_mode(m, out, budget, overrides + [f"--config.seed={seed}"], a.placement))
-  results = {m: _mean_over_seeds(r) for m, r in runs.items()}
-  ref = results.get("sync", {}).get("trained_tokens_per_s")
+  for rnd in range(a.rounds):
+    order = round_order(modes, rnd, a.shuffle_seed)
+    print(f"round {rnd + 1}/{a.rounds}: {', '.join(order)}", flush=True)
+    for m in order:
+      s = run_mode(m, base / f"round{rnd}" / m, budget, overrides + [f"--config.seed={rnd}"],
+                   a.placement)
+      runs[m].append(s)
+      print(f"  {m:<17} {s['steps']:>4} steps {s['trained_tokens_per_s']:>7.0f} tok/s"
+            f"  bubble {s['bubble_ratio']:.0%}", flush=True)
+  rows = aggregate_rounds(runs)
   print()
-  print(f"{'mode':<18}{'steps':>6}{'tok/s':>9}{'x sync':>8}{'bubble':>8}{'wasted':>8}"
-        f"{'eval R':>8}{'± se':>7}{'train R':>8}{'re-prefill':>11}{'violations':>11}")
-  for m, s in results.items():
-    ratio = s["trained_tokens_per_s"] / ref if ref else float("nan")
-    ev = s.get("final_eval_reward")
-    print(
-        f"{m:<18}{s['steps']:>6}{s['trained_tokens_per_s']:>9.1f}{ratio:>8.2f}"
-        f"{s['bubble_ratio']:>8.1%}{s['wasted_share']:>8.1%}"
-        f"{(ev if ev is not None else float('nan')):>8.3f}"
-        f"{(s.get('final_eval_reward_stderr') or float('nan')):>7.3f}"
-        f"{s['mean_reward_last']:>8.3f}{s['reprefill_tokens']:>11.0f}"
-        f"{len(s['integrity_violations']):>11}"
-    )
-  shared = [s for s in results.values() if s.get("prefill_tokens_computed")]
-  if shared:
-    asked = sum(s["prefill_tokens"] for s in shared)
-    done = sum(s["prefill_tokens_computed"] for s in shared)
-    print(f"\nprefill: {asked} context tokens admitted, {done} computed (group prefix sharing:"
+  print_table(rows)
+  print("\n[range]: min-max over rounds of the per-round value (x sync: the mode's tok/s over"
+        " sync's in the same round); eval R ± se: across rounds (seeds)")
+  computed = [s for s in rows.values() if s.get("prefill_tokens_computed")]
+  if computed:
+    asked = sum(s["prefill_tokens"] for s in computed)
+    done = sum(s["prefill_tokens_computed"] for s in computed)
+    print(f"prefill: {asked:.0f} context tokens admitted, {done:.0f} computed (group prefix sharing:"
           f" {asked / done:.1f}x less prompt work)")
-  ref_mode = "async_unfiltered" if "async_unfiltered" in results else None
-  if ref_mode and "dora_pace" in results:
-    a_u, d_p = results[ref_mode], results["dora_pace"]
-    print(f"dora_pace / async_unfiltered trained tokens/s: "
-          f"{d_p['trained_tokens_per_s'] / max(a_u['trained_tokens_per_s'], 1e-9):.2f}x")
-  if "sync" in results:
-    print(f"\nsync spends {results['sync']['bubble_ratio']:.0%} of its step waiting for rollout"
-          " (the learner's bubble is exactly the rollout share there).")
-  print(f"runs in {base}; plot with: python scripts/plot_metrics.py {base}/*/metrics.jsonl -o modes.png")
+  if "async_unfiltered" in runs and "dora_pace" in runs:
+    per_round = ratio_spread([d["trained_tokens_per_s"] / max(u["trained_tokens_per_s"], 1e-9)
+                              for d, u in zip(runs["dora_pace"], runs["async_unfiltered"])])
+    rows["dora_pace"]["x_async_unfiltered"] = per_round
+    print(f"dora_pace / async_unfiltered trained tokens/s: {_fmt_spread(per_round)}")
+  if "sync" in rows:
+    print(f"\nsync spends {_fmt_spread(rows['sync']['bubble'], pct=True)} of its step waiting for"
+          " rollout (the learner's bubble is exactly the rollout share there).")
+  if a.json:
+    pathlib.Path(a.json).write_text(json.dumps(
+        {"workload": CONFIG, "overrides": overrides, "rounds": a.rounds, "budget_s": budget,
+         "placement": where, "date": time.strftime("%Y-%m-%d %H:%M"), "modes": rows,
+         "per_round": runs}, indent=1, default=str))
+  print(f"runs in {base}; plot with: python scripts/plot_metrics.py {base}/round0/*/metrics.jsonl"
+        " -o modes.png")
 
 
 if __name__ == "__main__":

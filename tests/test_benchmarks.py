@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_modes_benchmark_split_placement_smoke(tmp_path):
   """Learner and a gRPC rollout server on disjoint cores; table printed, data intact."""
   proc = subprocess.run(
-      [sys.executable, "benchmarks/modes.py", "--modes=sync,dora_pace", "--budget_s=6",
+      [sys.executable, "benchmarks/modes.py", "--modes=sync,dora_pace", "--budget_s=6", "--rounds=1",
        f"--out={tmp_path}", "--config.eval.num_prompts=8", "--config.precompile=False"],
       cwd=ROOT, capture_output=True, text=True, timeout=600,
       env=dict(os.environ, JAX_PLATFORMS="cpu"),
@@ -31,11 +31,37 @@ def test_modes_benchmark_split_placement_smoke(tmp_path):
   for row in rows.values():
     assert row.split()[-1] == "0", f"integrity violations: {row}"  # last column
   assert "placement split" in proc.stdout
-  summary = json.loads((tmp_path / "dora_pace" / "summary.json").read_text())
+  summary = json.loads((tmp_path / "round0" / "dora_pace" / "summary.json").read_text())
   assert summary["final_eval_reward_stderr"] >= 0.0  # the eval's noise is reported with it
   # The learner really talked to a separate server process over gRPC.
-  log = (tmp_path / "dora_pace" / "rollout_server.log").read_text()
+  log = (tmp_path / "round0" / "dora_pace" / "rollout_server.log").read_text()
   assert "serving on" in log
+
+
+def test_modes_rounds_ratios_by_hand():
+  """Ratios are taken within a round, then summarised: a round where the whole
+  machine ran 2x slower leaves the ratio unchanged."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import modes  # pylint: disable=g-import-not-at-top
+
+  def run(tok, bubble, ev):
+    return {"steps": 10, "trained_tokens_per_s": tok, "bubble_ratio": bubble, "wasted_share": 0.0,
+            "mean_reward_last": 0.0, "reprefill_tokens": 0, "final_eval_reward": ev,
+            "integrity_violations": []}
+
+  runs = {"sync": [run(100, 0.6, 0.20), run(50, 0.7, 0.22), run(100, 0.6, 0.24)],
+          "dora": [run(200, 0.0, 0.30), run(100, 0.1, 0.32), run(300, 0.0, 0.34)]}
+  rows = modes.aggregate_rounds(runs)
+  x = rows["dora"]["x_ref"]
+  # Per round 2.0, 2.0, 3.0 (the slow second round keeps its 2.0).
+  assert (x["median"], x["min"], x["max"], x["n"]) == (2.0, 2.0, 3.0, 3)
+  assert x["mean"] == pytest.approx(7 / 3)
+  assert rows["sync"]["bubble"]["median"] == 0.6 and rows["sync"]["bubble"]["max"] == 0.7
+  assert rows["dora"]["final_eval_reward"] == pytest.approx(0.32)
+  assert rows["dora"]["final_eval_reward_stderr"] == pytest.approx(0.02 / 3 ** 0.5)
+  order = [modes.round_order(["a", "b", "c", "d"], r, 0) for r in range(4)]
+  assert all(sorted(o) == ["a", "b", "c", "d"] for o in order) and len(set(map(tuple, order))) > 1
+  assert order[1] == modes.round_order(["a", "b", "c", "d"], 1, 0)  # reproducible
 
 
 def test_modes_benchmark_rejects_unknown_flags():
