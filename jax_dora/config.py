@@ -244,7 +244,9 @@ def base_config() -> ml_collections.ConfigDict:
   )
 
   c.snapshots = ml_collections.ConfigDict(
-      dict(directory="", max_to_keep=4)  # "" = <output_dir>/snapshots
+      # directory "" = <output_dir>/snapshots. max_to_keep 0 = keep every
+      # version (benchmarks/time_to_reward.py evaluates them after the run).
+      dict(directory="", max_to_keep=4)
   )
 
   c.orchestrator = ml_collections.ConfigDict(
@@ -507,6 +509,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_loss(c)
   if c.pace.on_reject not in ("regenerate", "drop"):
     raise ConfigError("config.pace.on_reject must be 'regenerate' or 'drop'")
+  if c.snapshots.max_to_keep < 0:
+    raise ConfigError(f"config.snapshots.max_to_keep={c.snapshots.max_to_keep} must be >= 1,"
+                      " or 0 to keep every version")
   if c.eval.num_samples < 1:
     raise ConfigError(f"config.eval.num_samples={c.eval.num_samples} must be >= 1 (k of pass@k)")
   if c.metrics.wandb_mode not in ("online", "offline", "disabled"):

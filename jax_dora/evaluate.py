@@ -1,11 +1,15 @@
-"""Evaluates a saved policy version: ``python -m jax_dora.evaluate --run_dir=DIR [--step=N]``.
+"""Evaluates saved policy versions: ``python -m jax_dora.evaluate --run_dir=DIR [--step=N | --steps=A,B,..]``.
 
 Rebuilds the run from ``DIR/config.json`` (model, tokenizer, held-out
 prompts, reward), starts embedded rollout servers on the snapshot of version
 ``N`` (default: the newest in the run's snapshot directory) and reports mean
 reward, pass@1, pass@k and maj@k with standard errors over the held-out
 prompts (:mod:`jax_dora.metrics.passk`). The result is printed and written
-to ``DIR/eval_step<N>.json``.
+to ``DIR/eval_step<N>.json``. ``--steps`` evaluates several versions with one
+set of servers (start-up and compilation paid once) and writes
+``DIR/eval_steps.json``: how ``benchmarks/time_to_reward.py`` draws a
+reward-vs-wall-clock curve from a finished run's kept snapshots without the
+evaluation ever running inside the run's clock.
 
 Unlike the in-training eval, which shares the training servers and samples
 at ``rollout.temperature``, this command owns its servers, so ``--greedy``
@@ -27,6 +31,8 @@ from absl import app, flags  # pylint: disable=g-import-not-at-top
 
 _RUN_DIR = flags.DEFINE_string("run_dir", None, "A run's output_dir (holds config.json).")
 _STEP = flags.DEFINE_integer("step", None, "Policy version to evaluate (default: the newest).")
+_STEPS = flags.DEFINE_list("steps", None, "Several versions, evaluated in this order with the same"
+                           " servers and prompts (writes eval_steps.json).")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", None, "k samples per prompt (default: the"
                                     " run's eval.num_samples).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Held-out prompts (default: the run's"
@@ -57,6 +63,14 @@ def snapshot_dir(cfg, run_dir: str) -> str:
 def evaluate_run(run_dir: str, step: int | None = None, *, num_samples: int | None = None,
                  num_prompts: int | None = None, greedy: bool | None = None) -> dict:
   """Evaluates version ``step`` of the run in ``run_dir``; returns the metrics."""
+  return evaluate_versions(run_dir, [step], num_samples=num_samples, num_prompts=num_prompts,
+                           greedy=greedy)[0]
+
+
+def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int | None = None,
+                      num_prompts: int | None = None, greedy: bool | None = None) -> list[dict]:
+  """Evaluates each version in ``steps`` (``None``: the newest) on the same
+  held-out prompts with one set of servers; returns one metrics dict per step."""
   import asyncio  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
@@ -83,10 +97,11 @@ def evaluate_run(run_dir: str, step: int | None = None, *, num_samples: int | No
   versions = SnapshotReader(snaps).versions() if os.path.isdir(snaps) else []
   if not versions:
     raise EvaluateError(f"{snaps}: no snapshot to evaluate")
-  step = versions[-1] if step is None else int(step)
-  if step not in versions:
-    raise EvaluateError(f"version {step} is not in {snaps} (kept: {versions};"
-                        " snapshots.max_to_keep prunes older ones)")
+  steps = [versions[-1] if step is None else int(step) for step in steps]
+  missing = [step for step in steps if step not in versions]
+  if missing:
+    raise EvaluateError(f"version(s) {missing} not in {snaps} (kept: {versions};"
+                        " snapshots.max_to_keep prunes older ones; 0 keeps all)")
   if cfg.eval.greedy:
     cfg.rollout.temperature = 0.0  # engine: argmax (after validate, which refuses 0 for training)
   policy = resolve_policy(cfg)
@@ -101,20 +116,25 @@ def evaluate_run(run_dir: str, step: int | None = None, *, num_samples: int | No
                               cfg.rollout.length_mode == "answer", p),
       num_samples=int(cfg.eval.num_samples), correct_threshold=float(cfg.eval.correct_threshold))
 
+  results: list[dict] = []
+
   async def main() -> None:
     try:
-      await dispatcher.broadcast_version(step)
-      await evaluator.evaluate()
+      for step in steps:
+        await dispatcher.broadcast_version(step)
+        await evaluator.evaluate()
+        results.append(
+            {"step": step, "num_prompts": len(prompts), "num_samples": int(cfg.eval.num_samples),
+             "greedy": bool(cfg.eval.greedy), **evaluator.last_metrics,
+             "samples": [{"sample_id": sid, "member": m, "completion": text, "reward": r}
+                         for sid, m, text, r in evaluator.last_samples]})
     finally:
       await dispatcher.close()
       await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
       scorer.close()
 
   run_async(main)
-  return {"step": step, "num_prompts": len(prompts), "num_samples": int(cfg.eval.num_samples),
-          "greedy": bool(cfg.eval.greedy), **evaluator.last_metrics,
-          "samples": [{"sample_id": sid, "member": m, "completion": text, "reward": r}
-                      for sid, m, text, r in evaluator.last_samples]}
+  return results
 
 
 def main(argv: list[str]) -> None:
@@ -135,11 +155,26 @@ def main(argv: list[str]) -> None:
   try:
     # The run's cache setting (older runs' configs lack the key: the default).
     setup_compile_cache(load_run_config(_RUN_DIR.value).get("compile_cache_dir", "auto"))
-    out = evaluate_run(_RUN_DIR.value, _STEP.value, num_samples=_NUM_SAMPLES.value,
-                       num_prompts=_NUM_PROMPTS.value, greedy=_GREEDY.value)
+    if _STEPS.value and _STEP.value is not None:
+      raise EvaluateError("pass --step or --steps, not both")
+    try:
+      steps = [int(s) for s in _STEPS.value] if _STEPS.value else [_STEP.value]
+    except ValueError as e:
+      raise EvaluateError(f"--steps must be integers: {_STEPS.value}") from e
+    outs = evaluate_versions(_RUN_DIR.value, steps, num_samples=_NUM_SAMPLES.value,
+                             num_prompts=_NUM_PROMPTS.value, greedy=_GREEDY.value)
   except (EvaluateError, ConfigError) as e:
     print(f"evaluate error: {e}", file=sys.stderr)
     sys.exit(2)
+  if _STEPS.value:
+    path = os.path.join(_RUN_DIR.value, "eval_steps.json")
+    with open(path, "w") as f:
+      json.dump([{k: v for k, v in o.items() if k != "samples"} for o in outs], f, indent=1)
+    for o in outs:
+      print(f"version {o['step']}: mean reward {o.get('eval/reward', float('nan')):.3f}")
+    print(path)
+    return
+  out = outs[0]
   path = os.path.join(_RUN_DIR.value, f"eval_step{out['step']}.json")
   with open(path, "w") as f:
     json.dump(out, f, indent=2)

@@ -286,7 +286,7 @@ def run_training(
     learner.state, meta = checkpointer.restore(resumed_step, learner.state)
 
   incarnation = group.broadcast_text(new_incarnation())
-  publisher = SnapshotPublisher(paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep,
+  publisher = SnapshotPublisher(paths.snapshots, max_to_keep=int(cfg.snapshots.max_to_keep) or None,
                                 processes=procs, incarnation=incarnation)
   version = learner.step
   # Every version from the start one on is republished by this incarnation:

@@ -211,4 +211,18 @@ def test_evaluate_command_scores_a_saved_snapshot(main_run):
   missing = subprocess.run(
       [sys.executable, "-m", "jax_dora.evaluate", f"--run_dir={out}", "--step=999"],
       cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
-  assert missing.returncode == 2 and "version 999 is not in" in missing.stderr
+  assert missing.returncode == 2 and "[999] not in" in missing.stderr
+  # Several versions with one set of servers: the newest scores what --step scored
+  # (greedy, same prompts), the older one is a different policy's score.
+  several = subprocess.run(
+      [sys.executable, "-m", "jax_dora.evaluate", f"--run_dir={out}", "--num_prompts=4",
+       "--num_samples=3", "--greedy", f"--steps={STEPS - 1},{STEPS}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
+  assert several.returncode == 0, several.stderr[-3000:]
+  rows = json.loads((out / "eval_steps.json").read_text())
+  assert [r["step"] for r in rows] == [STEPS - 1, STEPS]
+  assert rows[1]["eval/reward"] == res["eval/reward"]
+  both = subprocess.run(
+      [sys.executable, "-m", "jax_dora.evaluate", f"--run_dir={out}", "--step=1", "--steps=1,2"],
+      cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
+  assert both.returncode == 2 and "not both" in both.stderr
