@@ -8,6 +8,11 @@ taking more, cheaper steps must not look better for having more points.
 
 Reads only ``metrics.jsonl`` and ``summary.json`` of each run directory, so
 it works on runs copied off a TPU VM without the training stack's devices.
+
+``python -m jax_dora.report --curves time_to_reward.json`` draws instead the
+held-out reward against wall clock of ``benchmarks/time_to_reward.py``'s runs:
+per mode the mean over seeds with the seeds' range as a band, each seed's
+target (sync's final reward at its budget) as a dotted line and the budget marked.
 """
 
 from __future__ import annotations
@@ -126,6 +131,42 @@ def plot_runs(run_dirs: Sequence[str], out_png: str) -> list[tuple[str, list, di
   return runs
 
 
+def plot_reward_curves(result: dict[str, Any], out_png: str) -> None:
+  """Held-out reward vs wall clock per mode: mean over seeds, the seeds' range
+  as a band, the target and the budget marked (``time_to_reward.json``)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  runs = result.get("runs") or []
+  if not runs:
+    raise ReportError("the time-to-reward result has no runs")
+  by_mode: dict[str, list[list[dict]]] = {}
+  for r in runs:
+    by_mode.setdefault(r["mode"], []).append(r["curve"])
+  fig, ax = plt.subplots(figsize=(9, 5.5))
+  for i, (mode, curves) in enumerate(by_mode.items()):
+    n = min(len(c) for c in curves)
+    ts = [curves[0][k]["t"] for k in range(n)]
+    vals = [[c[k]["reward"] for c in curves] for k in range(n)]
+    mean = [sum(v) / len(v) for v in vals]
+    ax.plot(ts, mean, color=f"C{i}", marker="o", ms=3, label=f"{mode} (mean of {len(curves)})")
+    if len(curves) > 1:
+      ax.fill_between(ts, [min(v) for v in vals], [max(v) for v in vals], color=f"C{i}",
+                      alpha=0.15, lw=0)
+  targets = next(iter(result.get("summary", {}).values()), {}).get("targets") or []
+  for j, tg in enumerate(targets):
+    ax.axhline(tg, color="gray", ls=":", lw=1, label="target (sync's final reward), per seed"
+               if j == 0 else None)
+  if result.get("budget_s"):
+    ax.axvline(float(result["budget_s"]), color="black", ls="--", lw=1, label="B")
+  ax.set_title(f"held-out reward vs wall clock ({result.get('workload', '')}, band: seeds' range)")
+  ax.set_xlabel("training wall clock (s; evaluation excluded)")
+  ax.set_ylabel("held-out reward")
+  save_figure(fig, [ax], out_png, dpi=100)
+
+
 def save_figure(fig, axes, out: str, dpi: int) -> None:
   """Grid and legend on every panel, then writes ``out`` (its folder created)
   and closes the figure (the report and ``scripts/plot_metrics.py`` share it)."""
@@ -204,11 +245,25 @@ def write_report(run_dirs: Sequence[str], out_png: str) -> tuple[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jax_dora.report",
                                description=__doc__.splitlines()[0])
-  ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run output directories")
+  ap.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run output directories")
+  ap.add_argument("--curves", default="", metavar="JSON",
+                  help="draw benchmarks/time_to_reward.py's result (time_to_reward.json) instead")
   ap.add_argument("-o", "--output", default="",
                   help="PNG to write (default: RUN_DIR/report.png for one run, report.png for"
                   " several); the HTML page goes beside it")
   a = ap.parse_args(argv)
+  if a.curves:
+    out = a.output or os.path.splitext(a.curves)[0] + ".png"
+    try:
+      with open(a.curves) as f:
+        plot_reward_curves(json.load(f), out)
+    except (OSError, ValueError, KeyError, ReportError) as e:
+      print(f"report error: {a.curves}: {e}", file=sys.stderr)
+      return 2
+    print(out)
+    return 0
+  if not a.run_dirs:
+    ap.error("give RUN_DIR(s) or --curves JSON")
   out = a.output or (os.path.join(a.run_dirs[0], "report.png") if len(a.run_dirs) == 1
                      else "report.png")
   try:
