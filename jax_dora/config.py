@@ -14,6 +14,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from jax_dora.csv_fields import split_csv  # noqa: F401  (re-exported: config.split_csv)
+
 MODES = (
     "sync",
     "one_step_off",
@@ -349,17 +351,6 @@ def base_config() -> ml_collections.ConfigDict:
       )
   )
   return c
-
-
-def split_csv(value: Any, cast: type = str) -> list[Any]:
-  """``"a, b,,c"`` -> ``[cast("a"), cast("b"), cast("c")]``; a list passes through cast.
-
-  Comma-separated strings are how list-valued fields (task names, reward
-  functions and weights, file lists) travel through ``--config.x=y``.
-  """
-  if isinstance(value, str):
-    return [cast(v.strip()) for v in value.split(",") if v.strip()]
-  return [cast(v) for v in value]
 
 
 class ConfigError(ValueError):

@@ -79,7 +79,7 @@ import numpy as np
 
 from etils import epath
 
-from jax_dora.config import split_csv
+from jax_dora.csv_fields import split_csv
 from jax_dora.data.files import DatasetError, RecordTable, read_records
 from jax_dora.data.formats import RecordFormat, get_format
 from jax_dora.tasks import TaskMixture

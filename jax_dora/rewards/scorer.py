@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from jax_dora.csv_fields import split_csv
 from jax_dora.rewards.base import Reward, get_reward
 from jax_dora.types import Prompt
 
@@ -88,7 +89,6 @@ class RewardScorer:
 
   @classmethod
   def from_config(cls, cfg: Any) -> "RewardScorer":
-    from jax_dora.config import split_csv  # pylint: disable=g-import-not-at-top
 
     r = cfg.reward if "reward" in cfg else cfg
     return cls(split_csv(r.functions), split_csv(r.weights, float) or None,
