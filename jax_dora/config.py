@@ -14,7 +14,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from jax_dora.csv_fields import split_csv  # noqa: F401  (re-exported: config.split_csv)
+from jax_dora.csv_fields import split_csv
 
 MODES = (
     "sync",

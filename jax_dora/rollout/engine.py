@@ -990,7 +990,7 @@ def build_engine(
   ``policy``: a resolved :class:`jax_dora.policy.PolicySpec` (model config
   and tokenizer); resolved from ``config`` when not given.
   """
-  from jax_dora.config import split_csv  # pylint: disable=g-import-not-at-top
+  from jax_dora.csv_fields import split_csv  # pylint: disable=g-import-not-at-top
 
   if policy is None:
     from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
