@@ -69,6 +69,9 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jax_dora.metrics.reward_curves import mean_se  # noqa: E402  pylint: disable=wrong-import-position
 WORKLOADS = {"long_tail": "configs/long_tail.py", "long_context": "configs/long_context.py"}
 CONFIG = WORKLOADS["long_tail"]  # set by --workload
 ALL_MODES = ("sync", "one_step_off", "partial_rollout", "async_unfiltered", "dora", "dora_pace")
@@ -208,9 +211,9 @@ def ratio_spread(values: list[float]) -> dict:
   if not vals:
     return {"median": float("nan"), "min": float("nan"), "max": float("nan"),
             "mean": float("nan"), "se": float("nan"), "n": 0}
-  se = statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan")
+  mean, se = mean_se(vals)
   return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1],
-          "mean": statistics.mean(vals), "se": se, "n": len(vals)}
+          "mean": mean, "se": se, "n": len(vals)}
 
 
 def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str, dict]:
@@ -234,12 +237,11 @@ def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str
                                    for s, r in zip(sums, runs[ref])])
     evals = [s["final_eval_reward"] for s in sums if s.get("final_eval_reward") is not None]
     if evals:
-      row["final_eval_reward"] = statistics.mean(evals)
       # Across rounds (each round has its own seed): training noise included.
       # One round: the eval's own sampling error.
-      row["final_eval_reward_stderr"] = (
-          statistics.stdev(evals) / len(evals) ** 0.5 if len(evals) > 1
-          else sums[0].get("final_eval_reward_stderr"))
+      row["final_eval_reward"], se = mean_se(evals)
+      row["final_eval_reward_stderr"] = se if len(evals) > 1 else sums[0].get(
+          "final_eval_reward_stderr")
     row["integrity_violations"] = [v for s in sums for v in s.get("integrity_violations", [])]
     rows[mode] = row
   return rows

@@ -46,11 +46,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--budget_s", type=float, default=120.0, help="B: sync's wall-clock budget")
   ap.add_argument("--target_points", type=int, default=3,
-                  help="sync's last scheduled evaluations averaged into the target")
+                  help="sync's last scheduled evaluations whose median is the target")
   ap.add_argument("--every_s", type=float, default=0.0,
                   help="evaluation schedule step (default B / 6)")
   ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="modes compared with sync")
@@ -188,13 +190,13 @@ def main(argv: list[str] | None = None) -> dict:
   budget = a.budget_s
   every = a.every_s or budget / 6
   others = [m for m in a.modes.split(",") if m and m != "sync"]
-  base = pathlib.Path(a.out or __import__("tempfile").mkdtemp(prefix="jax_dora_ttr_"))
+  base = pathlib.Path(a.out or tempfile.mkdtemp(prefix="jax_dora_ttr_"))
   base.mkdir(parents=True, exist_ok=True)
   if a.placement == "split":
     learner_cores, rollout_cores = modes_bench.split_cores()
     devices = float(len(learner_cores) + len(rollout_cores))
   else:
-    devices = float(len(__import__("os").sched_getaffinity(0)))
+    devices = float(len(os.sched_getaffinity(0)))
   print(f"workload {modes_bench.CONFIG} {' '.join(overrides)}; sync for B={budget:.0f}s, "
         f"{', '.join(others)} for 2B; held-out reward every {every:.0f}s of each run's clock"
         f" ({a.eval_prompts} prompts x {a.eval_samples}), evaluated after each run;"
