@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from jax_dora.registry import Registry
 from jax_dora.rewards.extract import hash_answer, last_boxed
 
 
@@ -42,21 +43,17 @@ class RecordFormat:
   extract_answer: Callable[[str], str | None] = lambda s: s.strip() or None
 
 
-_FORMATS: dict[str, RecordFormat] = {}
+FORMATS: Registry[RecordFormat] = Registry("data.format", plural="formats")
 
 
 def register(fmt: RecordFormat) -> RecordFormat:
-  if fmt.name in _FORMATS:
-    raise ValueError(f"record format {fmt.name!r} registered twice")
-  _FORMATS[fmt.name] = fmt
-  return fmt
+  """Adds ``fmt`` under ``fmt.name``: the key is the name its prompts carry as ``Prompt.task``."""
+  return FORMATS.register(fmt.name, fmt)
 
 
 def get_format(name: str, prompt_field: str = "", answer_field: str = "") -> RecordFormat:
   """Format ``name`` with optional field-name overrides."""
-  if name not in _FORMATS:
-    raise KeyError(f"unknown data.format {name!r}; known formats: {sorted(_FORMATS)}")
-  fmt = _FORMATS[name]
+  fmt = FORMATS.get(name)
   return dataclasses.replace(
       fmt, prompt_field=prompt_field or fmt.prompt_field, answer_field=answer_field or fmt.answer_field)
 

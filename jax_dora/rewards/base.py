@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from jax_dora.registry import Registry
 from jax_dora.types import Prompt
 
 RewardFn = Callable[[Prompt, str], float]
@@ -30,26 +31,22 @@ class Reward:
   isolated: bool = False
 
 
-_REGISTRY: dict[str, Reward] = {}
+REWARDS: Registry[Reward] = Registry("reward")
 
 
 def register(name: str, *, isolated: bool = False) -> Callable[[RewardFn], RewardFn]:
   """Decorator: ``@register("format")`` adds a reward function under ``name``."""
 
   def wrap(fn: RewardFn) -> RewardFn:
-    if name in _REGISTRY and _REGISTRY[name].fn is not fn:
-      raise ValueError(f"reward {name!r} registered twice")
-    _REGISTRY[name] = Reward(name, fn, isolated)
+    REWARDS.register(name, Reward(name, fn, isolated))
     return fn
 
   return wrap
 
 
 def get_reward(name: str) -> Reward:
-  if name not in _REGISTRY:
-    raise KeyError(f"unknown reward {name!r}; known rewards: {reward_names()}")
-  return _REGISTRY[name]
+  return REWARDS.get(name)
 
 
 def reward_names() -> list[str]:
-  return sorted(_REGISTRY)
+  return REWARDS.names()

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jax_dora.registry import Registry
 from jax_dora.tasks import long_tail
 from jax_dora.types import Prompt
 
@@ -152,7 +153,7 @@ class Task(abc.ABC):
     return shaped_score(prompt.answer, completion_text)
 
 
-_REGISTRY: dict[str, type[Task]] = {}
+TASKS: Registry[type[Task]] = Registry("task")
 _DEFAULT_INSTANCES: dict[str, Task] = {}
 
 
@@ -160,14 +161,11 @@ def register(cls: type[Task]) -> type[Task]:
   """Class decorator adding a task to the registry under ``cls.name``."""
   if not cls.name:
     raise ValueError(f"{cls.__name__} has no name")
-  if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-    raise ValueError(f"task name {cls.name!r} already registered")
-  _REGISTRY[cls.name] = cls
-  return cls
+  return TASKS.register(cls.name, cls)
 
 
 def task_names() -> list[str]:
-  return sorted(_REGISTRY)
+  return TASKS.names()
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
@@ -184,12 +182,11 @@ def get_task(name: str, **kwargs: Any) -> Task:
   Raises:
     KeyError: unknown task, with the list of known ones.
   """
-  if name not in _REGISTRY:
-    raise KeyError(f"unknown task {name!r}; known tasks: {task_names()}")
+  cls = TASKS.get(name)
   if kwargs:
-    return _REGISTRY[name](**kwargs)
+    return cls(**kwargs)
   if name not in _DEFAULT_INSTANCES:
-    _DEFAULT_INSTANCES[name] = _REGISTRY[name]()
+    _DEFAULT_INSTANCES[name] = cls()
   return _DEFAULT_INSTANCES[name]
 
 

@@ -10,37 +10,12 @@ kind, and the config validator lists what exists from these registries.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+from jax_dora.registry import Registry
 
+OBJECTIVES: Registry[Callable] = Registry("loss", plural="losses")
+CORRECTIONS: Registry[Callable] = Registry("importance-sampling correction")
+AGGREGATIONS: Registry[Callable] = Registry("loss aggregation")
+ADVANTAGES: Registry[Callable] = Registry("advantage estimator")
 
-class Registry(Generic[F]):
-  """Functions of one kind (objective, correction, ...) by name."""
-
-  def __init__(self, kind: str):
-    self.kind = kind
-    self._fns: dict[str, F] = {}
-
-  def register(self, name: str) -> Callable[[F], F]:
-    def add(fn: F) -> F:
-      if name in self._fns:
-        raise ValueError(f"{self.kind} {name!r} is registered twice")
-      self._fns[name] = fn
-      return fn
-    return add
-
-  def get(self, name: str) -> F:
-    try:
-      return self._fns[name]
-    except KeyError:
-      raise KeyError(f"unknown {self.kind} {name!r}; known: {self.names()}") from None
-
-  def names(self) -> list[str]:
-    return sorted(self._fns)
-
-
-OBJECTIVES: Registry = Registry("loss")
-CORRECTIONS: Registry = Registry("importance-sampling correction")
-AGGREGATIONS: Registry = Registry("loss aggregation")
-ADVANTAGES: Registry = Registry("advantage estimator")
+__all__ = ["ADVANTAGES", "AGGREGATIONS", "CORRECTIONS", "OBJECTIVES", "Registry"]

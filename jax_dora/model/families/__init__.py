@@ -16,15 +16,14 @@ from jax_dora.model.families.base import (
     TensorMap,
     UnsupportedCheckpointError,
 )
+from jax_dora.registry import Registry
 
-FAMILIES: dict[str, Family] = {}
+FAMILIES: Registry[Family] = Registry("model family", plural="model families")
 
 
 def register(family: Family) -> Family:
-  if family.name in FAMILIES:
-    raise ValueError(f"model family {family.name!r} registered twice")
-  FAMILIES[family.name] = family
-  return family
+  """Adds ``family`` under its ``name``, the HF ``model_type`` checkpoints are matched on."""
+  return FAMILIES.register(family.name, family)
 
 
 register(llama.FAMILY)
@@ -35,19 +34,19 @@ register(qwen3.FAMILY)
 def get_family(model_type: str) -> Family:
   """The family for an HF ``model_type``; a clear error naming the supported ones."""
   if model_type not in FAMILIES:
-    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in FAMILIES.values())
+    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for _, f in FAMILIES.items())
     raise UnsupportedCheckpointError(
         f"unknown architecture: model_type={model_type!r}; supported: {supported}")
-  return FAMILIES[model_type]
+  return FAMILIES.get(model_type)
 
 
 def family_for(cfg: ModelConfig) -> Family:
   """The family whose checkpoint layout ``cfg`` (e.g. the native model) exports to."""
   if cfg.qk_norm:
-    return FAMILIES["qwen3"]
+    return FAMILIES.get("qwen3")
   if cfg.qkv_bias and not cfg.out_bias:
-    return FAMILIES["qwen2"]
-  return FAMILIES["llama"]
+    return FAMILIES.get("qwen2")
+  return FAMILIES.get("llama")
 
 
 __all__ = [
