@@ -118,11 +118,6 @@ class ModelConfig:
   def jnp_param_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.param_dtype)
 
-  @property
-  def kv_groups(self) -> int:
-    """Query heads per key/value head."""
-    return self.n_heads // self.n_kv_heads
-
   @classmethod
   def field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}

@@ -66,7 +66,7 @@ from jax_dora.rollout.api import (
     RolloutResult,
     VersionUnavailableError,
 )
-from jax_dora.types import Prompt, TokenSpan, Trajectory
+from jax_dora.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,6 @@ class Dispatcher:
 
   Args:
     clients: The rollout servers.
-    max_failures_per_server: Ignored (kept for old callers); see
-      ``max_restarts``.
     on_reissue: ``(sample_id, member, why)``, called before every re-issue.
     max_restarts: Restarts (a new process at the same address) and stalls a
       server may have; one more retires it for good.
@@ -143,7 +141,6 @@ class Dispatcher:
   def __init__(
       self,
       clients: Sequence[RolloutClient],
-      max_failures_per_server: int | None = None,
       on_reissue: Callable[[int, int, str], None] | None = None,
       *,
       max_restarts: int = 3,
@@ -161,7 +158,6 @@ class Dispatcher:
   ):
     if not clients:
       raise ValueError("Dispatcher needs at least one rollout client")
-    del max_failures_per_server  # superseded by health checks + max_restarts
     if min(health_interval_s, health_timeout_s, unhealthy_after_s) <= 0:
       raise ValueError("health_interval_s, health_timeout_s and unhealthy_after_s must be > 0")
     if max_restarts < 0 or stall_timeout_s < 0 or retry_backoff_s < 0:
@@ -649,14 +645,3 @@ def to_trajectory(
       submit_time=submit_time,
       finish_time=time.time(),
   )
-
-
-def merge_spans(spans: Sequence[TokenSpan]) -> list[TokenSpan]:
-  """Merges adjacent spans of the same version (after resumptions)."""
-  out: list[TokenSpan] = []
-  for sp in spans:
-    if out and out[-1].version == sp.version and out[-1].end == sp.start:
-      out[-1] = TokenSpan(out[-1].start, sp.end, sp.version)
-    else:
-      out.append(sp)
-  return out

@@ -80,7 +80,6 @@ class TrajectoryPool:
     self._partial: dict[int, dict[int, Trajectory]] = {}
     # sample_id -> group, in order of completion.
     self._complete: collections.OrderedDict[int, Group] = collections.OrderedDict()
-    self._completed_at: dict[int, int] = {}
     self._key_state: dict[tuple[int, int], str] = {}
     self._num_trajectories = 0
     self.removals: list[Removal] = []
@@ -123,9 +122,6 @@ class TrajectoryPool:
       return False
     del self._partial[traj.sample_id]
     self._complete[traj.sample_id] = [members[m] for m in range(self.group_size)]
-    self._completed_at[traj.sample_id] = (
-        int(version) if version is not None else int(traj.finish_version)
-    )
     return True
 
   # ---------------------------------------------------------------- queries
@@ -135,9 +131,6 @@ class TrajectoryPool:
 
   def num_complete_groups(self) -> int:
     return len(self._complete)
-
-  def num_partial_groups(self) -> int:
-    return len(self._partial)
 
   def num_trajectories(self) -> int:
     """Trajectories held, in complete and partial groups (for producer back-pressure)."""
@@ -150,17 +143,9 @@ class TrajectoryPool:
     """Complete groups in FIFO order of completion (copies of the lists)."""
     return [list(g) for g in self._complete.values()]
 
-  def completed_at(self, sample_id: int) -> int:
-    """Version at which the group of ``sample_id`` completed in the pool."""
-    return self._completed_at[sample_id]
-
-  def ever_added(self, key: tuple[int, int]) -> bool:
-    return key in self._key_state
-
   # ---------------------------------------------------------------- leaving
   def _take(self, sample_id: int, new_state: str) -> Group:
     group = self._complete.pop(sample_id)
-    del self._completed_at[sample_id]
     for t in group:
       self._key_state[t.key] = new_state
     self._num_trajectories -= len(group)
