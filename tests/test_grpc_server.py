@@ -19,15 +19,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import asyncio
 import pathlib
 import signal
-import socket
-import subprocess
-import sys
 import time
 
-import grpc
 import jax
 import numpy as np
 import pytest
+from _harness import RolloutServerProcess
 
 from jax_dora import config as config_lib
 from jax_dora.model import CharTokenizer
@@ -42,19 +39,13 @@ from jax_dora.types import TokenSpan
 
 pytestmark = pytest.mark.timeout(120)
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
 _VERSION = 3  # deliberately not 0/1 so a default cannot pass for the real value
 _SLOTS = 2
 _MAX_NEW = 24  # per request; the server's buffers keep the tiny.py sizes
 # Tiny model: startup (imports + compile) dominates, decoding is instant.
 _OVERRIDES = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64)
 _TOK = CharTokenizer()
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+_READY_S = 75.0  # server start-up (imports + compile) allowed before a test fails
 
 
 def _run_config():
@@ -76,70 +67,15 @@ def snapshot_dir(tmp_path_factory) -> pathlib.Path:
   return d
 
 
-class _Server:
-  """A rollout server subprocess and its log."""
-
-  def __init__(self, snapshot_dir: pathlib.Path, log_path: pathlib.Path):
-    self.port = _free_port()
-    self.address = f"127.0.0.1:{self.port}"
-    self.log_path = log_path
-    args = [
-        sys.executable, "-m", "jax_dora.rollout.server_main",
-        "--config=configs/tiny.py", "--config.precompile=False",
-        "--host=127.0.0.1",
-        "--grace_s=1",
-        f"--config.rollout.port={self.port}",
-        f"--config.snapshots.directory={snapshot_dir}",
-        f"--config.rollout.slots={_SLOTS}",
-        "--config.rollout.devices_per_server=1",
-    ] + [f"--config.model.{k}={v}" for k, v in _OVERRIDES.items()]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    self._log = open(log_path, "wb")
-    self.proc = subprocess.Popen(
-        args, cwd=_REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
-    )
-
-  def log(self) -> str:
-    return self.log_path.read_text(errors="replace")
-
-  def wait_ready(self, timeout_s: float = 75.0) -> dict:
-    """Polls Health with a *sync* channel until a version is loaded.
-
-    Sync on purpose: ``grpc.aio`` keeps process-wide state bound to the first
-    event loop that used it, so a fixture must not spin up a loop of its own.
-    """
-    health = grpc.insecure_channel(self.address).unary_unary(
-        wire.method_path(wire.HEALTH),
-        request_serializer=wire.dumps,
-        response_deserializer=wire.loads,
-    )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-      if self.proc.poll() is not None:
-        raise AssertionError(
-            f"server exited with {self.proc.returncode}:\n{self.log()}"
-        )
-      try:
-        h = health({}, timeout=1.0)
-        if h["versions_loaded"]:
-          return h
-      except grpc.RpcError:
-        pass
-      time.sleep(0.2)
-    raise AssertionError(f"server not ready in {timeout_s}s:\n{self.log()}")
-
-  def close(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.kill()
-    self.proc.wait(10)
-    self._log.close()
+def _start_server(snapshot_dir: pathlib.Path, log_path: pathlib.Path) -> RolloutServerProcess:
+  return RolloutServerProcess(snapshot_dir, log_path, slots=_SLOTS, model_overrides=_OVERRIDES)
 
 
 @pytest.fixture(scope="module")
 def server(snapshot_dir, tmp_path_factory):
-  s = _Server(snapshot_dir, tmp_path_factory.mktemp("srv") / "server.log")
+  s = _start_server(snapshot_dir, tmp_path_factory.mktemp("srv") / "server.log")
   try:
-    s.wait_ready()
+    s.wait_ready(_READY_S)
     yield s
     # SIGTERM is the launcher's way to stop a server: it must exit cleanly.
     s.proc.send_signal(signal.SIGTERM)
@@ -296,9 +232,9 @@ async def test_client_cancel_aborts_on_server(server):
 async def test_sigkill_mid_stream_reports_every_in_flight_request(
     snapshot_dir, tmp_path
 ):
-  srv = _Server(snapshot_dir, tmp_path / "killed.log")
+  srv = _start_server(snapshot_dir, tmp_path / "killed.log")
   try:
-    await asyncio.to_thread(srv.wait_ready)  # sync channel: no second loop
+    await asyncio.to_thread(srv.wait_ready, _READY_S)  # sync channel: no second loop
     client = GrpcRolloutClient(srv.address, timeout_s=60)
     n = 4 * _SLOTS  # more than the slots: some are queued, none can finish first
     ids = [f"kill-{i}" for i in range(n)]

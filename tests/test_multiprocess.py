@@ -24,15 +24,12 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-import grpc
 import pytest
-
-from jax_dora.rollout import wire
+from _harness import free_port, health
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -41,24 +38,8 @@ _STEPS = 4
 _MODEL = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _tail(path: pathlib.Path, n: int = 4000) -> str:
   return path.read_text(errors="replace")[-n:] if path.exists() else "<no log>"
-
-
-def _health(address: str) -> dict:
-  with grpc.insecure_channel(address) as channel:
-    call = channel.unary_unary(
-        wire.method_path(wire.HEALTH),
-        request_serializer=wire.dumps,
-        response_deserializer=wire.loads,
-    )
-    return call({}, timeout=5.0)
 
 
 # `slow`: the two-learner test below runs the same cluster machinery (roles
@@ -66,8 +47,8 @@ def _health(address: str) -> dict:
 # with one more process; this one keeps the single-process learner's path.
 @pytest.mark.slow
 def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
-  coordinator = f"127.0.0.1:{_free_port()}"
-  rollout_port = _free_port()
+  coordinator = f"127.0.0.1:{free_port()}"
+  rollout_port = free_port()
   snapshots = tmp_path / "shared_snapshots"
   out = tmp_path / "run"
   dist = [
@@ -145,8 +126,8 @@ def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
     assert summary["integrity_violations"] == [], summary
 
     # The server loaded versions the learner published after start-up.
-    health = _health(f"127.0.0.1:{rollout_port}")
-    assert max(health["versions_loaded"]) > 0, health
+    h = health(f"127.0.0.1:{rollout_port}")
+    assert max(h["versions_loaded"]) > 0, h
     loaded = [int(v) for v in re.findall(r"loaded version (\d+)", _tail(server_log, 10**6))]
     assert loaded and max(loaded) > 0, logs_text()
 
@@ -193,8 +174,8 @@ def test_two_learner_processes_train_like_one(tmp_path):
   from jax_dora.orchestrator.integrity import IntegrityLedger  # pylint: disable=g-import-not-at-top
   from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
 
-  coordinator = f"127.0.0.1:{_free_port()}"
-  rollout_port = _free_port()
+  coordinator = f"127.0.0.1:{free_port()}"
+  rollout_port = free_port()
   out, batches = tmp_path / "run", tmp_path / "batches"
   common = [
       f"--config.snapshots.directory={tmp_path / 'snapshots'}",

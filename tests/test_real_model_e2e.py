@@ -18,6 +18,7 @@ import sys
 import _hf
 import numpy as np
 import pytest
+from _harness import free_port
 
 from jax_dora.config import base_config, hf_model_config
 from jax_dora.orchestrator.integrity import IntegrityLedger, read_log
@@ -129,11 +130,8 @@ def test_remote_grpc_rollout_server_serves_the_hf_policy(hf_dirs, tmp_path):
   recipe resolves the same policy (architecture, stop and suppressed ids) from
   ``model.hf_path`` and serves the learner over gRPC; the audit stays clean."""
   import os
-  import socket
 
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   snaps = tmp_path / "snaps"
   args = [sys.executable, "-m", "jax_dora.rollout.server_main",
           "--config=configs/qwen2_5_0_5b_gsm8k.py", "--host=127.0.0.1", "--grace_s=1",

@@ -18,35 +18,21 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import grpc
 import pytest
+from _harness import free_port, health
 
 from jax_dora.orchestrator.integrity import IntegrityLedger, read_log
-from jax_dora.rollout import wire
 
 pytestmark = pytest.mark.timeout(420)
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _MODEL = [f"--config.model.{k}={v}" for k, v in dict(d_model=32, n_layers=1, n_heads=2,
                                                        d_ff=64).items()]
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _health(address: str) -> dict:
-  with grpc.insecure_channel(address) as channel:
-    call = channel.unary_unary(wire.method_path(wire.HEALTH), request_serializer=wire.dumps,
-                               response_deserializer=wire.loads)
-    return call({}, timeout=5.0)
 
 
 def _train(out: pathlib.Path, snapshots: pathlib.Path, address: str, steps: int,
@@ -71,7 +57,7 @@ def _audit(out: pathlib.Path, summary: dict) -> list[dict]:
 
 
 def test_resumed_and_next_runs_never_train_on_a_live_server_s_old_versions(tmp_path):
-  port = _free_port()
+  port = free_port()
   address = f"127.0.0.1:{port}"
   snapshots = tmp_path / "snapshots"
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
@@ -95,7 +81,7 @@ def test_resumed_and_next_runs_never_train_on_a_live_server_s_old_versions(tmp_p
       assert time.time() < deadline, "the server never loaded version 5 in time"
       time.sleep(0.1)
       try:
-        held = max(_health(address)["versions_loaded"], default=-1)
+        held = max(health(address)["versions_loaded"], default=-1)
       except grpc.RpcError:
         pass
     proc.send_signal(signal.SIGKILL)

@@ -26,16 +26,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import asyncio
 import pathlib
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
-import grpc
 import jax
 import numpy as np
 import pytest
+from _harness import RolloutServerProcess, free_port
 
 from jax_dora import config as config_lib
 from jax_dora.model import CharTokenizer
@@ -44,7 +41,6 @@ from jax_dora.model import init_params
 from jax_dora.orchestrator.dispatch import Dispatcher
 from jax_dora.orchestrator.dispatch import NoLiveServersError
 from jax_dora.rollout import api
-from jax_dora.rollout import wire
 from jax_dora.rollout.client import GrpcRolloutClient
 from jax_dora.rollout.driver import RolloutDriver
 from jax_dora.rollout.embedded import EmbeddedRolloutClient
@@ -55,7 +51,6 @@ from jax_dora.types import Prompt
 
 pytestmark = pytest.mark.timeout(120)
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
 _VERSION = 3
 _V2 = 4  # published mid-test, while a server is down
 _SLOTS = 2
@@ -71,12 +66,6 @@ _FAST = dict(
     retry_backoff_s=0.05,
     readmit_backoff_max_s=0.5,
 )
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _run_config():
@@ -135,65 +124,11 @@ def snapshot_dir(tmp_path_factory, params) -> pathlib.Path:
   return d
 
 
-class _Proc:
-  """A rollout server subprocess (``server_main``) and its log."""
-
-  def __init__(self, snapshot_dir: pathlib.Path, log_path: pathlib.Path):
-    self.port = _free_port()
-    self.address = f"127.0.0.1:{self.port}"
-    self.log_path = log_path
-    args = [
-        sys.executable, "-m", "jax_dora.rollout.server_main",
-        "--config=configs/tiny.py", "--config.precompile=False", "--host=127.0.0.1", "--grace_s=1",
-        f"--config.rollout.port={self.port}",
-        f"--config.snapshots.directory={snapshot_dir}",
-        f"--config.rollout.slots={_SLOTS}",
-        "--config.rollout.devices_per_server=1",
-    ] + [f"--config.model.{k}={v}" for k, v in _OVERRIDES.items()]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    self._log = open(log_path, "wb")
-    self.proc = subprocess.Popen(
-        args, cwd=_REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
-    )
-
-  def log(self) -> str:
-    return self.log_path.read_text(errors="replace")
-
-  def wait_ready(self, timeout_s: float = 90.0) -> None:
-    """Polls Health with a *sync* channel (no event loop of its own)."""
-    with grpc.insecure_channel(self.address) as ch:
-      health = ch.unary_unary(
-          wire.method_path(wire.HEALTH),
-          request_serializer=wire.dumps,
-          response_deserializer=wire.loads,
-      )
-      deadline = time.monotonic() + timeout_s
-      while time.monotonic() < deadline:
-        if self.proc.poll() is not None:
-          raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-        try:
-          if health({}, timeout=1.0)["versions_loaded"]:
-            return
-        except grpc.RpcError:
-          pass
-        time.sleep(0.2)
-    raise AssertionError(f"server not ready in {timeout_s}s:\n{self.log()}")
-
-  def signal(self, sig) -> None:
-    if self.proc.poll() is None:
-      self.proc.send_signal(sig)
-
-  def close(self) -> None:
-    self.signal(signal.SIGCONT)
-    self.signal(signal.SIGKILL)
-    self.proc.wait(10)
-    self._log.close()
-
-
 @pytest.fixture(scope="module")
 def launched(snapshot_dir, tmp_path_factory):
   """The server process, started first so that its start-up overlaps the engine's."""
-  p = _Proc(snapshot_dir, tmp_path_factory.mktemp("proc") / "server.log")
+  p = RolloutServerProcess(snapshot_dir, tmp_path_factory.mktemp("proc") / "server.log",
+                           slots=_SLOTS, model_overrides=_OVERRIDES)
   try:
     yield p
   finally:
@@ -387,7 +322,7 @@ async def test_all_servers_down_waits_then_raises_when_none_can_return(engine, s
   after no_server_grace_s when nothing comes back (abort_all still ends them)."""
   s1 = await _InProc(engine, snapshot_dir, "only").start()
   clients = [GrpcRolloutClient(s1.address, timeout_s=5) for _ in range(2)]
-  clients.append(GrpcRolloutClient(f"127.0.0.1:{_free_port()}", timeout_s=1))  # nobody there
+  clients.append(GrpcRolloutClient(f"127.0.0.1:{free_port()}", timeout_s=1))  # nobody there
   d = Dispatcher([clients[0]], max_restarts=1, **_FAST)
   d0 = Dispatcher([clients[1]], max_restarts=0, **_FAST)
   dg = Dispatcher([clients[2]], no_server_grace_s=2.0, **_FAST)
