@@ -16,9 +16,6 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 KNOWN_CYCLES = {
-    # The mode loops use ~31 members of Orchestrator: issue 24 (modes as strategies) cuts it.
-    ("jax_dora.orchestrator.modes", "jax_dora.orchestrator.runner",
-     "jax_dora.orchestrator.streaming"),
     # Reward worker processes import the package so that every registered reward exists there.
     ("jax_dora.rewards", "jax_dora.rewards.scorer"),
 }

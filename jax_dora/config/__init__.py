@@ -15,16 +15,10 @@ import ml_collections
 import numpy as np
 
 from jax_dora.csv_fields import split_csv
+from jax_dora.orchestrator.modes import MODES as _MODE_STRATEGIES
 
-MODES = (
-    "sync",
-    "one_step_off",
-    "partial_rollout",
-    "async_unfiltered",
-    "dora",
-    "dora_pace",
-)
-ASYNC_MODES = MODES[1:]
+# Names of the training modes (jax_dora.orchestrator.modes owns them).
+MODES = tuple(_MODE_STRATEGIES)
 LENGTH_MODES = ("eos", "answer")
 
 

@@ -38,7 +38,7 @@ from jax_dora.orchestrator import staleness as staleness_lib
 from jax_dora.orchestrator.dispatch import Dispatcher, to_trajectory
 from jax_dora.orchestrator.evaluation import Evaluator, length_budget
 from jax_dora.orchestrator.integrity import IntegrityLedger
-from jax_dora.orchestrator.modes import BACKGROUND_PUBLISH_MODES, MODE_LOOPS
+from jax_dora.orchestrator.modes import Mode, mode_class
 from jax_dora.orchestrator.pace import PaceConfig, PaceController
 from jax_dora.orchestrator.pool import TrajectoryPool
 from jax_dora.orchestrator.publishing import BackgroundPublisher
@@ -116,8 +116,13 @@ class Orchestrator:
     self.pool = TrajectoryPool(self.group_size, self.max_staleness)
     self._seq_buckets = parse_buckets(
         str(cfg.learner.seq_len_buckets), int(cfg.model.max_seq_len))
+    # The mode strategy: owns the loop, its producer and gates; the rest of
+    # this class asks it what the mode does instead of comparing names.
+    self.strategy: Mode = mode_class(cfg.mode)(
+        self, queue_depth=int(cfg.orchestrator.queue_depth),
+        fill_staleness_budget=bool(cfg.orchestrator.fill_staleness_budget))
     self.pace = (
-        PaceController(PaceConfig.from_config(cfg.pace)) if self.mode == "dora_pace" else None
+        PaceController(PaceConfig.from_config(cfg.pace)) if self.strategy.uses_pace else None
     )
     self.pace_rejected = 0
     self.zero_variance = dynamic_sampling.ZeroVarianceFilter(
@@ -133,11 +138,6 @@ class Orchestrator:
     self.stopping = False
     self._fatal: BaseException | None = None
     self._bg_tasks: set[asyncio.Task] = set()
-    # partial_rollout: aborted rollouts wait here until the new version loads.
-    self.pause_resumes = False
-    self.resume_gate = asyncio.Event()
-    self.resume_gate.set()
-    self.producer: Any = None  # the streaming modes' StreamingProducer
     self._t0 = time.time()
     self._trained_tokens = 0
     self._generated_tokens = 0
@@ -150,7 +150,7 @@ class Orchestrator:
                                num_samples=int(cfg.eval.num_samples),
                                correct_threshold=float(cfg.eval.correct_threshold))
     self.publish_in_background = (
-        bool(cfg.orchestrator.async_publish) and self.mode in BACKGROUND_PUBLISH_MODES
+        bool(cfg.orchestrator.async_publish) and self.strategy.publishes_in_background
     )
     self._background = BackgroundPublisher(
         publisher, self.version, self.on_published, self.spawn, self.fail)
@@ -213,8 +213,7 @@ class Orchestrator:
       if not interruptible or self.stopping:
         return traj
       partial = traj
-      if self.pause_resumes:
-        await self.resume_gate.wait()
+      await self.strategy.before_resume()
       if self.stopping:
         return traj
     traj.finish_version = self.version
@@ -375,13 +374,11 @@ class Orchestrator:
   # -------------------------------------------------------------- publishing
   async def on_published(self, version: int) -> None:
     """Makes servers load ``version`` once it is written."""
-    if self.mode == "async_unfiltered":
-      # One version per server: load it, then interrupt in-flight rollouts
-      # so they resume on it (their prefix keeps its old-version span).
-      await self.dispatcher.broadcast_version(version)
+    await self.dispatcher.broadcast_version(version)
+    if self.strategy.interrupts_on_publish:
+      # One version per server: interrupt in-flight rollouts so they resume
+      # on the one just loaded (their prefix keeps its old-version span).
       await self.dispatcher.abort_all()
-    else:
-      await self.dispatcher.broadcast_version(version)
     self.kick_producer()
 
   # ----------------------------------------------------------- step records
@@ -434,6 +431,12 @@ class Orchestrator:
     rec["dynamic_sampling/accepted_over_budget"] = self.zero_variance.accepted_over_budget
     # Verifier timeouts / crashes / errors so far (each scored 0).
     rec.update(self.scorer.metrics())
+    if self.strategy.streams:
+      # Groups that left the pool untrained so far (regenerated or dropped).
+      rec["pace_rejected_total"] = self.pace_rejected
+      rec["stale_evicted_total"] = self.ledger.count("stale")
+      if self.pace is not None:
+        rec["pace"] = self.pace.stats()
     return rec
 
   async def after_learner_step(self, rec: dict[str, Any]) -> None:
@@ -504,13 +507,11 @@ class Orchestrator:
     return task
 
   def kick_producer(self) -> None:
-    if self.producer is not None:
-      self.producer.kick()
+    self.strategy.kick()
 
   def request_stop(self) -> None:
     self.stopping = True
-    self.resume_gate.set()
-    self.kick_producer()
+    self.strategy.stop()
 
   def fail(self, err: BaseException) -> None:
     """Records the first fatal error of a background task and stops the run."""
@@ -527,6 +528,9 @@ class Orchestrator:
       return False
     return self.learner.step < self.cfg.total_steps
 
+  def is_last_step(self) -> bool:
+    return self.learner.step + 1 >= self.cfg.total_steps
+
   # ---------------------------------------------------------------------- run
   async def run(self) -> dict[str, Any]:
     """Runs until ``cfg.total_steps`` learner steps; returns a summary."""
@@ -537,7 +541,7 @@ class Orchestrator:
     await self._telemetry.sample(self.dispatcher.live_clients)  # baseline for the first delta
     self._t0 = time.time()
     try:
-      await MODE_LOOPS[self.mode](self).run()
+      await self.strategy.run()
       await self._background.flush()  # the final eval and checkpoint see the last version
     finally:
       await self._shutdown()

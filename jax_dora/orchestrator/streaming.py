@@ -10,20 +10,22 @@ groups. What it must get right is *how much* to keep in flight (see
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
+from jax_dora.orchestrator.host import ModeHost
 from jax_dora.types import Prompt, Trajectory
-
-if TYPE_CHECKING:
-  from jax_dora.orchestrator.runner import Orchestrator
 
 
 class StreamingProducer:
   """Issues groups while the admission rule allows; finished members go to the pool."""
 
-  def __init__(self, orch: Orchestrator, *, interruptible: bool):
-    self.orch = orch
+  def __init__(self, host: ModeHost, *, interruptible: bool, queue_depth: int,
+               fill_staleness_budget: bool = False):
+    self.host = host
     self.interruptible = interruptible
+    # Requests in flight per server beyond its slots (orchestrator.queue_depth).
+    self.queue_depth = queue_depth
+    # Drop the working-set cap (orchestrator.fill_staleness_budget).
+    self.fill_staleness_budget = fill_staleness_budget
     self.in_flight = 0  # rollout requests issued and not yet finished
     self.cond = asyncio.Condition()
     # The servers' slot + queue capacity it keeps busy (None: unknown).
@@ -37,14 +39,14 @@ class StreamingProducer:
     *published* one, which lags the learner while a background publish is in
     flight; that lag is already spent of the bound, so it shrinks the budget.
     """
-    o = self.orch
+    o = self.host
     batch = o.groups_per_step * o.group_size
     lag = max(0, o.version - o.published_version)
     return max(1, o.max_staleness + 1 - lag) * batch
 
   async def count_rollout_slots(self) -> None:
     """Decode slots (+ ``queue_depth`` per server) the producer keeps busy."""
-    o = self.orch
+    o = self.host
     slots = servers = 0
     for c in o.dispatcher.live_clients:
       try:
@@ -52,8 +54,7 @@ class StreamingProducer:
         servers += 1
       except Exception:  # pylint: disable=broad-exception-caught
         continue
-    depth = int(o.cfg.orchestrator.queue_depth)
-    self.rollout_capacity = slots + depth * servers if servers else None
+    self.rollout_capacity = slots + self.queue_depth * servers if servers else None
 
   def may_issue(self) -> bool:
     """Admission rule for one more group.
@@ -70,12 +71,12 @@ class StreamingProducer:
     work: ~30% of their slot time idle). ``orchestrator.fill_staleness_budget``
     drops the second cap, to study high staleness on purpose.
     """
-    o = self.orch
+    o = self.host
     g = o.group_size
     if self.in_flight + o.pool.num_trajectories() + g > self.capacity_samples():
       return False
     cap = self.rollout_capacity
-    if cap is None or o.cfg.orchestrator.get("fill_staleness_budget", False):
+    if cap is None or self.fill_staleness_budget:
       return True
     batch = o.groups_per_step * g
     return self.in_flight + o.pool.num_complete_groups() * g + g <= batch + max(cap, g)
@@ -88,10 +89,10 @@ class StreamingProducer:
       async with cond:
         cond.notify_all()
 
-    self.orch.spawn(notify())
+    self.host.spawn(notify())
 
   async def run(self) -> None:
-    o = self.orch
+    o = self.host
     await self.count_rollout_slots()
     while not o.stopping:
       async with self.cond:
@@ -105,13 +106,13 @@ class StreamingProducer:
 
   async def _member(self, p: Prompt, m: int) -> Trajectory:
     try:
-      return await self.orch.rollout_member(p, m, None, interruptible=self.interruptible)
+      return await self.host.rollout_member(p, m, None, interruptible=self.interruptible)
     finally:
       self.in_flight -= 1
       self.kick()
 
   async def _group(self, p: Prompt) -> None:
-    o = self.orch
+    o = self.host
     members: list[asyncio.Task] = []
     try:
       members = [asyncio.create_task(self._member(p, m)) for m in range(o.group_size)]
