@@ -71,17 +71,14 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
                       num_prompts: int | None = None, greedy: bool | None = None) -> list[dict]:
   """Evaluates each version in ``steps`` (``None``: the newest) on the same
   held-out prompts with one set of servers; returns one metrics dict per step."""
-  import asyncio  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
 
   from jax_dora.config import validate  # pylint: disable=g-import-not-at-top
   from jax_dora.data import make_eval_prompts  # pylint: disable=g-import-not-at-top
-  from jax_dora.orchestrator.dispatch import Dispatcher  # pylint: disable=g-import-not-at-top
   from jax_dora.orchestrator.evaluation import Evaluator, length_budget  # pylint: disable=g-import-not-at-top
   from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
-  from jax_dora.rewards import RewardScorer  # pylint: disable=g-import-not-at-top
-  from jax_dora.runtime import build_rollout_clients, run_async  # pylint: disable=g-import-not-at-top
+  from jax_dora.runtime import build_rollout_side, run_async  # pylint: disable=g-import-not-at-top
   from jax_dora.snapshots.store import SnapshotReader  # pylint: disable=g-import-not-at-top
 
   cfg = load_run_config(run_dir)
@@ -107,11 +104,10 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
   policy = resolve_policy(cfg)
   tokenizer = policy.tokenizer
   prompts = make_eval_prompts(cfg, int(cfg.eval.num_prompts), tokenizer)
-  clients = build_rollout_clients(cfg, snaps, list(jax.devices()), policy)
-  scorer = RewardScorer.from_config(cfg)
-  dispatcher = Dispatcher(clients, health_timeout_s=cfg.rollout.control_timeout_s, seed=cfg.seed)
+  rollout = build_rollout_side(cfg, snaps, list(jax.devices()), policy)
+  dispatcher = rollout.dispatcher
   evaluator = Evaluator(
-      prompts, dispatcher, scorer, tokenizer,
+      prompts, dispatcher, rollout.scorer, tokenizer,
       lambda p: length_budget(tokenizer, int(cfg.rollout.max_new_tokens),
                               cfg.rollout.length_mode == "answer", p),
       num_samples=int(cfg.eval.num_samples), correct_threshold=float(cfg.eval.correct_threshold))
@@ -129,9 +125,7 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
              "samples": [{"sample_id": sid, "member": m, "completion": text, "reward": r}
                          for sid, m, text, r in evaluator.last_samples]})
     finally:
-      await dispatcher.close()
-      await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-      scorer.close()
+      await rollout.close()
 
   run_async(main)
   return results

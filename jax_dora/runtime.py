@@ -43,6 +43,7 @@ from jax_dora.learner.train_state import Learner
 from jax_dora.metrics.writers import WandbSink, open_run_metrics, tensorboard_dir
 from jax_dora.orchestrator.dispatch import Dispatcher
 from jax_dora.orchestrator.integrity import IntegrityLedger
+from jax_dora.orchestrator.modes import mode_class
 from jax_dora.orchestrator.run_checkpoint import (
   RunCheckpointer,
   prompt_from_json,
@@ -194,6 +195,46 @@ def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Devic
   return build_embedded_servers(cfg, str(snapshot_dir), devices, policy)
 
 
+@dataclasses.dataclass
+class RolloutSide:
+  """The rollout servers' clients, the dispatcher over them and the reward scorer.
+
+  Training and ``jax_dora.evaluate`` build it the same way
+  (:func:`build_rollout_side`), so both judge server health, route requests
+  and score completions with one set of settings.
+  """
+
+  clients: list[Any]
+  dispatcher: Dispatcher
+  scorer: RewardScorer
+
+  async def close(self) -> None:
+    await self.dispatcher.close()  # health monitors first, then the clients they probe
+    await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+    self.scorer.close()
+
+
+def build_rollout_side(cfg: ml_collections.ConfigDict, snapshot_dir: epath.Path,
+                       devices: list[jax.Device], policy: PolicySpec, *,
+                       incarnation: str | None = None,
+                       on_reissue: Callable[[int, int, str], None] | None = None) -> RolloutSide:
+  """Rollout clients (embedded or remote), their dispatcher and the scorer, from ``cfg``."""
+  clients = list(build_rollout_clients(cfg, snapshot_dir, devices, policy))
+  dispatcher = Dispatcher(
+      clients,
+      on_reissue=on_reissue,
+      max_restarts=cfg.orchestrator.max_server_restarts,
+      health_interval_s=cfg.rollout.health_interval_s,
+      health_timeout_s=cfg.rollout.control_timeout_s,
+      unhealthy_after_s=cfg.rollout.unhealthy_after_s,
+      stall_timeout_s=cfg.rollout.stall_timeout_s,
+      no_server_grace_s=cfg.orchestrator.no_server_grace_s,
+      seed=cfg.seed,
+      incarnation=incarnation,
+  )
+  return RolloutSide(clients, dispatcher, RewardScorer.from_config(cfg))
+
+
 def run_async(main: Callable[[], Any]) -> Any:
   """``asyncio.run(main())``, also from inside a running loop (Jupyter/Colab).
 
@@ -219,6 +260,164 @@ def run_training(
   learner process runs the orchestrator and the others mirror its learner
   operations (``jax_dora.learner.multihost``); they return a short summary.
   """
+  run = build_run(cfg)
+  return run.train(after_step)
+
+
+@dataclasses.dataclass
+class Run:
+  """The parts of one training run, built by :func:`build_run`; :meth:`train` runs it.
+
+  Every process of the learner has the device-side parts (mesh, learner,
+  snapshot publisher, run checkpointer). Only the primary learner process
+  has the host side (prompts, rollout side, ledger, metrics): the others
+  mirror the primary's learner operations (``jax_dora.learner.multihost``).
+  """
+
+  cfg: ml_collections.ConfigDict
+  paths: RunPaths
+  policy: PolicySpec
+  mesh: jax.sharding.Mesh
+  group: LearnerGroup
+  learner: Learner
+  publisher: SnapshotPublisher
+  checkpointer: RunCheckpointer
+  incarnation: str
+  resumed_step: int | None
+  resume_meta: dict[str, Any]
+  rollout_devices: list[jax.Device]
+  learner_processes: set[int] | None
+
+  def train(self, after_step: Callable[[dict[str, Any], Orchestrator], Any] | None = None
+            ) -> dict[str, Any]:
+    """Trains to ``total_steps`` (or the wall-time budget); returns the summary."""
+    if not self.group.is_primary:
+      ok = follow(self.group, self.learner, self.publisher,
+                  lambda step: self.checkpointer.save(step, self.learner.state, {"step": step}))
+      self.close()
+      return {"steps": self.learner.step, "role": "learner-follower",
+              "incarnation": self.incarnation,
+              "integrity_violations": [] if ok else ["the primary learner process failed"]}
+    failed = True
+    try:
+      summary = self._orchestrate(after_step)
+      failed = False
+      return summary
+    finally:
+      # Whatever happened on the primary, the followers must not be left
+      # waiting in a broadcast.
+      stop_followers(self.group, failed)
+      self.close()
+
+  def close(self) -> None:
+    self.publisher.close()
+    self.checkpointer.close()
+
+  def _orchestrate(self, after_step) -> dict[str, Any]:
+    """The primary learner process: prompts, rollouts, batches, publishes, checkpoints."""
+    cfg, paths, resumed_step = self.cfg, self.paths, self.resumed_step
+    tokenizer = self.policy.tokenizer
+    stream = PromptStream(cfg, tokenizer)
+    eval_prompts = (make_eval_prompts(cfg, cfg.eval.num_prompts, tokenizer)
+                    if cfg.eval.num_prompts else [])
+    if uses_files(cfg):
+      splits = load_file_splits(cfg, tokenizer)
+      log.info("data: %d train / %d eval records of %s (%s)", len(splits.train), len(splits.eval),
+               cfg.data.format,
+               "nothing skipped" if not splits.skipped else f"skipped {splits.skipped}")
+    pending: list[Prompt] = []
+    if resumed_step is not None:
+      stream.set_state(self.resume_meta["stream"])
+      pending = [prompt_from_json(p) for p in self.resume_meta["pending_prompts"]]
+      log.info("resumed from step %d with %d pending prompts", resumed_step, len(pending))
+    ledger = IntegrityLedger(
+        paths.trained_log,
+        group_size=cfg.learner.group_size,
+        max_staleness=cfg.orchestrator.max_staleness,
+        allow_multi_version=mode_class(cfg.mode).resumes_rollouts,
+        truncate_after_step=resumed_step if resumed_step is not None else 0,
+        incarnation=self.incarnation,
+    )
+    metrics = open_run_metrics(cfg, paths.metrics, resumed_step=resumed_step,
+                               incarnation=self.incarnation)
+    learner, checkpointer = self.learner, self.checkpointer
+
+    def checkpoint(step: int, pending_prompts: list[Prompt], stream_state: dict[str, Any]) -> None:
+      # On an object store the logs upload in batches: make them durable first,
+      # so a resume from this checkpoint finds every step it carries over.
+      ledger.flush()
+      metrics.flush()
+      checkpointer.save(step, learner.state, {
+          "step": step,
+          "stream": stream_state,
+          "pending_prompts": [prompt_to_json(p) for p in pending_prompts],
+      })
+
+    trainer: Any = learner
+    publisher: Any = self.publisher
+    if self.group.multi_process:
+      trainer = LeaderLearner(learner, self.group)
+      publisher = LeaderPublisher(publisher, self.group)
+      checkpoint = leader_checkpoint(checkpoint, self.group)
+    if cfg.learner.dump_batches_dir:
+      trainer = BatchRecorder(trainer, cfg.learner.dump_batches_dir)
+
+    rollout = build_rollout_side(cfg, paths.snapshots, self.rollout_devices, self.policy,
+                                 incarnation=self.incarnation, on_reissue=ledger.reissued)
+    progress = None
+    if cfg.progress_bar:
+      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+
+      progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode,
+                      dynamic_ncols=True, unit="step")
+    try:
+      with metrics:
+        orch = Orchestrator(
+            cfg,
+            learner=trainer,
+            publisher=publisher,
+            dispatcher=rollout.dispatcher,
+            prompts=PromptSupply(stream, pending=pending, eval=eval_prompts),
+            tokenizer=tokenizer,
+            scorer=rollout.scorer,
+            ledger=ledger,
+            hooks=RunHooks(metrics, checkpoint_fn=checkpoint, progress=progress,
+                           after_step=after_step, samples=metrics.write_samples),
+            incarnation=self.incarnation,
+        )
+
+        async def main():
+          try:
+            return await orch.run()
+          finally:
+            await rollout.close()
+
+        summary = run_async(main)
+    finally:
+      if progress is not None:
+        progress.close()
+      ledger.close()
+    summary["output_dir"] = str(paths.output_dir)
+    summary["metrics_path"] = str(paths.metrics)
+    if cfg.metrics.tensorboard:
+      summary["tensorboard_dir"] = tensorboard_dir(str(paths.output_dir))
+    wandb_dirs = [s.dir for s in metrics.sinks if isinstance(s, WandbSink)]
+    if wandb_dirs:
+      summary["wandb_dir"] = wandb_dirs[0]
+    summary["incarnation"] = self.incarnation
+    summary["samples_drawn"] = stream.next_sample_id
+    summary["reward_failures"] = rollout.scorer.metrics()
+    if uses_files(cfg):
+      summary["data_rows_skipped"] = load_file_splits(cfg, tokenizer).skipped
+    paths.summary.write_text(json.dumps(summary, indent=2, default=str))
+    log.info("done: %s", json.dumps(summary, default=str))
+    if summary["integrity_violations"]:
+      log.error("integrity violations: %s", summary["integrity_violations"])
+    return summary
+
+
+def check_run_config(cfg: ml_collections.ConfigDict) -> None:
+  """:func:`validate` plus what only a training run refuses."""
   validate(cfg)
   if cfg.eval.greedy:
     raise ConfigError("config.eval.greedy is for `python -m jax_dora.evaluate --greedy`, which starts"
@@ -227,6 +426,18 @@ def run_training(
   if cfg.role == "rollout":
     raise ConfigError("config.role=rollout is a rollout server: start it with"
                       " `python -m jax_dora.rollout.server_main`, not jax_dora.train")
+
+
+def build_run(cfg: ml_collections.ConfigDict) -> Run:
+  """Builds every part of a training run from ``cfg`` (nothing trains yet).
+
+  Devices are split between learner and rollout, the learner is built (from
+  the HF checkpoint, a run checkpoint or random init) and compiled
+  (``precompile``), and version ``learner.step`` is published so the
+  rollout servers have a policy to load. The host side (prompts, servers,
+  dispatcher, ledger, metrics) is built by :meth:`Run.train` on the primary.
+  """
+  check_run_config(cfg)
   setup_logging()
   maybe_initialize_distributed(cfg)
   paths = RunPaths.from_config(cfg)
@@ -244,7 +455,8 @@ def run_training(
         " learner process runs the orchestrator")
   if not remote and set(learner_devs) & set(rollout_devs):
     log.warning("only one device: learner and rollout share it")
-  mesh = make_mesh(learner_devs, cfg.learner.mesh_data, cfg.learner.mesh_fsdp, cfg.learner.mesh_tensor)
+  mesh = make_mesh(learner_devs, cfg.learner.mesh_data, cfg.learner.mesh_fsdp,
+                   cfg.learner.mesh_tensor)
   batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
   batch_rows = cfg.learner.groups_per_step * cfg.learner.group_size
   if batch_rows % batch_shards:
@@ -286,7 +498,7 @@ def run_training(
     learner.state, meta = checkpointer.restore(resumed_step, learner.state)
 
   incarnation = group.broadcast_text(new_incarnation())
-  publisher = SnapshotPublisher(paths.snapshots, max_to_keep=int(cfg.snapshots.max_to_keep) or None,
+  publisher = SnapshotPublisher(paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep or None,
                                 processes=procs, incarnation=incarnation)
   version = learner.step
   # Every version from the start one on is republished by this incarnation:
@@ -295,144 +507,10 @@ def run_training(
   publisher.discard_after(version - 1)
   publisher.publish(version, learner.params, {"step": version})
   log.info("run incarnation %s starts at policy version %d", incarnation, version)
-
-  if not group.is_primary:
-    ok = follow(group, learner, publisher,
-                lambda step: checkpointer.save(step, learner.state, {"step": step}))
-    publisher.close()
-    checkpointer.close()
-    return {"steps": learner.step, "role": "learner-follower", "incarnation": incarnation,
-            "integrity_violations": [] if ok else ["the primary learner process failed"]}
-  failed = True
-  try:
-    summary = _orchestrate(cfg, paths, policy, learner, publisher, checkpointer, group, meta,
-                           resumed_step, incarnation, rollout_devs, after_step)
-    failed = False
-    return summary
-  finally:
-    # Whatever happened on the primary, the followers must not be left
-    # waiting in a broadcast.
-    stop_followers(group, failed)
-    publisher.close()
-    checkpointer.close()
-
-
-def _orchestrate(cfg, paths: RunPaths, policy: PolicySpec, learner: Learner, publisher,
-                 checkpointer: RunCheckpointer, group: LearnerGroup, meta: dict[str, Any],
-                 resumed_step: int | None, incarnation: str, rollout_devs,
-                 after_step) -> dict[str, Any]:
-  """The primary learner process: prompts, rollouts, batches, publishes, checkpoints."""
-  tokenizer = policy.tokenizer
-  stream = PromptStream(cfg, tokenizer)
-  eval_prompts = (make_eval_prompts(cfg, cfg.eval.num_prompts, tokenizer)
-                  if cfg.eval.num_prompts else [])
-  if uses_files(cfg):
-    splits = load_file_splits(cfg, tokenizer)
-    log.info("data: %d train / %d eval records of %s (%s)", len(splits.train), len(splits.eval),
-             cfg.data.format, "nothing skipped" if not splits.skipped else f"skipped {splits.skipped}")
-  pending: list[Prompt] = []
-  if resumed_step is not None:
-    stream.set_state(meta["stream"])
-    pending = [prompt_from_json(p) for p in meta["pending_prompts"]]
-    log.info("resumed from step %d with %d pending prompts", resumed_step, len(pending))
-  ledger = IntegrityLedger(
-      paths.trained_log,
-      group_size=cfg.learner.group_size,
-      max_staleness=cfg.orchestrator.max_staleness,
-      allow_multi_version=cfg.mode in ("partial_rollout", "async_unfiltered"),
-      truncate_after_step=resumed_step if resumed_step is not None else 0,
-      incarnation=incarnation,
-  )
-
-  metrics = open_run_metrics(cfg, paths.metrics, resumed_step=resumed_step,
-                             incarnation=incarnation)
-
-  def checkpoint(step: int, pending_prompts: list[Prompt], stream_state: dict[str, Any]) -> None:
-    # On an object store the logs upload in batches: make them durable first,
-    # so a resume from this checkpoint finds every step it carries over.
-    ledger.flush()
-    metrics.flush()
-    checkpointer.save(step, learner.state, {
-        "step": step,
-        "stream": stream_state,
-        "pending_prompts": [prompt_to_json(p) for p in pending_prompts],
-    })
-
-  trainer: Any = learner
-  if group.multi_process:
-    trainer = LeaderLearner(learner, group)
-    publisher = LeaderPublisher(publisher, group)
-    checkpoint = leader_checkpoint(checkpoint, group)
-  if cfg.learner.dump_batches_dir:
-    trainer = BatchRecorder(trainer, cfg.learner.dump_batches_dir)
-
-  clients = build_rollout_clients(cfg, paths.snapshots, rollout_devs, policy)
-  scorer = RewardScorer.from_config(cfg)
-  dispatcher = Dispatcher(
-      clients,
-      on_reissue=lambda sid, m, why: ledger.reissued(sid, m, why),
-      max_restarts=cfg.orchestrator.max_server_restarts,
-      health_interval_s=cfg.rollout.health_interval_s,
-      health_timeout_s=cfg.rollout.control_timeout_s,
-      unhealthy_after_s=cfg.rollout.unhealthy_after_s,
-      stall_timeout_s=cfg.rollout.stall_timeout_s,
-      no_server_grace_s=cfg.orchestrator.no_server_grace_s,
-      seed=cfg.seed,
-      incarnation=incarnation,
-  )
-  progress = None
-  if cfg.progress_bar:
-    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-
-    progress = tqdm(total=cfg.total_steps, initial=learner.step, desc=cfg.mode, dynamic_ncols=True,
-                    unit="step")
-
-  try:
-    with metrics:
-      orch = Orchestrator(
-          cfg,
-          learner=trainer,
-          publisher=publisher,
-          dispatcher=dispatcher,
-          prompts=PromptSupply(stream, pending=pending, eval=eval_prompts),
-          tokenizer=tokenizer,
-          scorer=scorer,
-          ledger=ledger,
-          hooks=RunHooks(metrics, checkpoint_fn=checkpoint, progress=progress,
-                         after_step=after_step, samples=metrics.write_samples),
-          incarnation=incarnation,
-      )
-
-      async def main():
-        try:
-          return await orch.run()
-        finally:
-          await dispatcher.close()  # health monitors first, then the clients they probe
-          await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-          scorer.close()
-
-      summary = run_async(main)
-  finally:
-    if progress is not None:
-      progress.close()
-    ledger.close()
-  summary["output_dir"] = str(paths.output_dir)
-  summary["metrics_path"] = str(paths.metrics)
-  if cfg.metrics.tensorboard:
-    summary["tensorboard_dir"] = tensorboard_dir(str(paths.output_dir))
-  wandb_dirs = [s.dir for s in metrics.sinks if isinstance(s, WandbSink)]
-  if wandb_dirs:
-    summary["wandb_dir"] = wandb_dirs[0]
-  summary["incarnation"] = incarnation
-  summary["samples_drawn"] = stream.next_sample_id
-  summary["reward_failures"] = scorer.metrics()
-  if uses_files(cfg):
-    summary["data_rows_skipped"] = load_file_splits(cfg, tokenizer).skipped
-  paths.summary.write_text(json.dumps(summary, indent=2, default=str))
-  log.info("done: %s", json.dumps(summary, default=str))
-  if summary["integrity_violations"]:
-    log.error("integrity violations: %s", summary["integrity_violations"])
-  return summary
+  return Run(cfg=cfg, paths=paths, policy=policy, mesh=mesh, group=group, learner=learner,
+             publisher=publisher, checkpointer=checkpointer, incarnation=incarnation,
+             resumed_step=resumed_step, resume_meta=meta, rollout_devices=rollout_devs,
+             learner_processes=procs)
 
 
 def cpu_friendly_env() -> None:
