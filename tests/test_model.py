@@ -23,6 +23,8 @@ from jax_dora.model import (
     KVCache,
     ModelConfig,
     Transformer,
+    head_logits,
+    head_weight,
     init_params,
     param_logical_specs,
     token_logprobs,
@@ -45,8 +47,18 @@ def _full(params, tokens):
 
 
 @jax.jit
-def _cached(params, tokens, positions, cache):
-  return MODEL.apply({"params": params}, tokens, positions, kv_cache=cache)
+def _prefill(params, tokens):
+  """Prompt logits ``[B,T,V]`` and a cache holding the prompt's entries."""
+  pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  hidden, kv = MODEL.apply({"params": params}, tokens, pos, method=Transformer.prefill)
+  return head_logits(hidden, head_weight(CFG, params)), KVCache.from_prefill(kv, CFG.max_seq_len)
+
+
+@jax.jit
+def _decode(params, tokens, positions, cache):
+  """One decode step: logits and the cache with every row's entry committed."""
+  logits, new = MODEL.apply({"params": params}, tokens, positions, cache, method=Transformer.decode)
+  return logits, cache.write_step(new, positions[:, 0], jnp.ones(tokens.shape[0], bool))
 
 
 def _prefill_padded(prompt: np.ndarray, pad_to: int) -> np.ndarray:
@@ -57,9 +69,9 @@ def test_kv_cache_greedy_matches_full_forward():
   params = _params()
   prompt = np.array([5, 9, 12, 20, 7], np.int32)
   tokens = _prefill_padded(prompt, 8)[None]
-  cache = KVCache.zeros(CFG, 1)
-  logits, cache = _cached(params, jnp.asarray(tokens), jnp.arange(8, dtype=jnp.int32)[None], cache)
+  logits, cache = _prefill(params, jnp.asarray(tokens))
   assert logits.shape == (1, 8, CFG.vocab_size) and logits.dtype == jnp.float32
+  assert cache.k.shape == (CFG.n_layers, 1, CFG.n_kv_heads, CFG.max_seq_len, CFG.head_dim)
   seq = list(prompt)
   step_logits = logits[0, len(prompt) - 1]
   for _ in range(10):
@@ -69,7 +81,8 @@ def test_kv_cache_greedy_matches_full_forward():
     assert nxt == int(jnp.argmax(full))
     pos = len(seq)
     seq.append(nxt)
-    out, cache = _cached(params, jnp.asarray([[nxt]], jnp.int32), jnp.asarray([[pos]], jnp.int32), cache)
+    out, cache = _decode(params, jnp.asarray([[nxt]], jnp.int32), jnp.asarray([[pos]], jnp.int32),
+                         cache)
     step_logits = out[0, 0]
 
 
@@ -79,18 +92,14 @@ def test_batched_decode_with_different_positions_matches_per_row():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, CFG.vocab_size, size=n).astype(np.int32) for n in lens]
   batch_tokens = np.stack([_prefill_padded(p, 8) for p in prompts])
-  pos8 = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
-  _, bcache = _cached(params, jnp.asarray(batch_tokens), pos8, KVCache.zeros(CFG, 2))
-  rcaches = [
-      _cached(params, jnp.asarray(batch_tokens[i : i + 1]), pos8[:1], KVCache.zeros(CFG, 1))[1]
-      for i in range(2)
-  ]
+  _, bcache = _prefill(params, jnp.asarray(batch_tokens))
+  rcaches = [_prefill(params, jnp.asarray(batch_tokens[i : i + 1]))[1] for i in range(2)]
   next_tok = np.array([[4], [11]], np.int32)
   positions = np.array([[lens[0]], [lens[1]]], np.int32)
   for _ in range(3):
-    blogits, bcache = _cached(params, jnp.asarray(next_tok), jnp.asarray(positions), bcache)
+    blogits, bcache = _decode(params, jnp.asarray(next_tok), jnp.asarray(positions), bcache)
     for i in range(2):
-      rl, rcaches[i] = _cached(
+      rl, rcaches[i] = _decode(
           params, jnp.asarray(next_tok[i : i + 1]), jnp.asarray(positions[i : i + 1]), rcaches[i]
       )
       np.testing.assert_allclose(blogits[i], rl[0], atol=1e-5)
@@ -99,41 +108,46 @@ def test_batched_decode_with_different_positions_matches_per_row():
 
 
 @jax.jit
-def _deferred(params, tokens, positions, cache):
-  return MODEL.apply({"params": params}, tokens, positions, kv_cache=cache, defer_cache_write=True)
+def _decode_entries(params, tokens, positions, cache):
+  return MODEL.apply({"params": params}, tokens, positions, cache, method=Transformer.decode)
 
 
-def test_deferred_cache_write_matches_writing_decode():
-  """Decode that only reads the cache (and commits its entries afterwards,
-  for chosen rows) is the writing decode: same logits, same cache."""
+def test_decode_commits_the_entries_prefill_computes():
+  """Decode only reads the cache; the entries it returns, committed for
+  chosen rows, are the ones a prefill of the whole sequence computes, and
+  its logits are the full forward's."""
   params = _params()
   rng = np.random.default_rng(1)
   lens = [2, 5, 9]
-  prompts = [_prefill_padded(rng.integers(3, CFG.vocab_size, size=n).astype(np.int32), 16)
-             for n in lens]
-  pos16 = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (3, 16))
-  _, written = _cached(params, jnp.asarray(np.stack(prompts)), pos16, KVCache.zeros(CFG, 3))
-  deferred = written
+  seqs = [list(rng.integers(3, CFG.vocab_size, size=n).astype(np.int32)) for n in lens]
+  _, cache = _prefill(params, jnp.asarray(np.stack([_prefill_padded(np.asarray(q), 16)
+                                                     for q in seqs])))
   tok = jnp.asarray([[4], [11], [7]], jnp.int32)
   positions = jnp.asarray([[n] for n in lens], jnp.int32)
   for _ in range(4):
-    want, written = _cached(params, tok, positions, written)
-    got, new = _deferred(params, tok, positions, deferred)
-    assert new.k.shape == (CFG.n_layers, 3, 1, CFG.n_heads, CFG.head_dim)
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    deferred = deferred.write_step(new, positions[:, 0], jnp.ones(3, bool))
-    np.testing.assert_allclose(deferred.k, written.k, atol=1e-6)
-    np.testing.assert_allclose(deferred.v, written.v, atol=1e-6)
-    tok = jnp.argmax(want, -1).astype(jnp.int32)
+    got, new = _decode_entries(params, tok, positions, cache)
+    assert new.k.shape == (CFG.n_layers, 3, 1, CFG.n_kv_heads, CFG.head_dim)
+    for i, q in enumerate(seqs):
+      q.append(int(tok[i, 0]))
+      want = _full(params, jnp.asarray([q], jnp.int32))[0, -1]
+      np.testing.assert_allclose(got[i, 0], want, atol=1e-5)
+    cache = cache.write_step(new, positions[:, 0], jnp.ones(3, bool))
+    tok = jnp.argmax(got, -1).astype(jnp.int32)
     positions = positions + 1
+  # The committed cache holds what a prefill of each whole sequence computes.
+  for i, q in enumerate(seqs):
+    _, ref = _prefill(params, jnp.asarray([q], jnp.int32))
+    n = len(q)
+    np.testing.assert_allclose(cache.k[:, i, :, :n], ref.k[:, 0, :, :n], atol=1e-5)
+    np.testing.assert_allclose(cache.v[:, i, :, :n], ref.v[:, 0, :, :n], atol=1e-5)
   # Uncommitted rows keep their cache.
-  _, new = _deferred(params, tok, positions, deferred)
-  kept = deferred.write_step(new, positions[:, 0], jnp.asarray([True, False, False]))
-  np.testing.assert_array_equal(kept.k[:, 1:], deferred.k[:, 1:])
-  assert not np.array_equal(kept.k[:, 0], deferred.k[:, 0])
+  _, new = _decode_entries(params, tok, positions, cache)
+  kept = cache.write_step(new, positions[:, 0], jnp.asarray([True, False, False]))
+  np.testing.assert_array_equal(kept.k[:, 1:], cache.k[:, 1:])
+  assert not np.array_equal(kept.k[:, 0], cache.k[:, 0])
   with pytest.raises(ValueError, match="one token per row"):
-    MODEL.apply({"params": params}, tok.repeat(2, axis=1), jnp.zeros((3, 2), jnp.int32),
-                kv_cache=deferred, defer_cache_write=True)
+    MODEL.apply({"params": params}, tok.repeat(2, axis=1), jnp.zeros((3, 2), jnp.int32), cache,
+                method=Transformer.decode)
 
 
 def test_attention_mask_hides_padded_keys():

@@ -42,11 +42,31 @@ class KVCache:
   def max_seq_len(self) -> int:
     return self.k.shape[3]
 
+  @classmethod
+  def from_prefill(cls, new: "KVCache", max_seq_len: int,
+                   dtype: jnp.dtype | str | None = None) -> "KVCache":
+    """A cache whose rows hold ``new`` at positions ``0..T-1`` and zeros after.
+
+    ``new``: ``[L,B,T,Hkv,D]`` entries from ``Transformer.prefill`` (prompt
+    positions ``0..T-1``; right-padded positions are overwritten by decode
+    before they are read). The cache dtype defaults to the entries'.
+    """
+    t = new.k.shape[2]
+    if t > max_seq_len:
+      raise ValueError(f"{t} prefill entries exceed max_seq_len={max_seq_len}")
+    dtype = jnp.dtype(dtype if dtype is not None else new.k.dtype)
+    pad = ((0, 0), (0, 0), (0, 0), (0, max_seq_len - t), (0, 0))
+
+    def head_major(x: jax.Array) -> jax.Array:  # [L,B,T,Hkv,D] -> [L,B,Hkv,S,D]
+      return jnp.pad(x.swapaxes(2, 3).astype(dtype), pad)
+
+    return cls(k=head_major(new.k), v=head_major(new.v))
+
   def write_step(self, new: "KVCache", positions: jax.Array, rows: jax.Array) -> "KVCache":
     """Writes one decode step's entries in place.
 
-    ``new``: ``[L,B,1,Hkv,D]`` entries from ``Transformer(...,
-    defer_cache_write=True)``; ``positions[B]``: where each row's entry goes;
+    ``new``: ``[L,B,1,Hkv,D]`` entries from ``Transformer.decode``;
+    ``positions[B]``: where each row's entry goes;
     ``rows[B]`` bool: rows to commit (the others, and positions past the end,
     are dropped). A scatter of ``B`` entries: with the cache donated, XLA
     updates it in place instead of copying it.

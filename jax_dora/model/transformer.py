@@ -214,16 +214,22 @@ def _attend_cache_and_self(
 # Decode attention implementations (``rollout.decode_attention``).
 DECODE_ATTENTION = ("blocked", "dense")
 
+# The model's paths, one per job (``Transformer.__call__``, ``.prefill``,
+# ``.decode``); a module's ``mode`` picks the attention of its layers.
+MODES = ("train", "prefill", "decode")
+
 
 class Attention(nn.Module):
-  """Grouped-query causal self-attention with optional KV-cache read/write."""
+  """Grouped-query causal self-attention; ``mode`` is the path (``MODES``).
+
+  ``train`` and ``prefill`` attend causally within the call's tokens
+  (``_attend``); ``prefill`` also returns the call's keys/values for the
+  caller to write into a cache. ``decode`` reads the cache (never writes it)
+  with the ``decode_attention`` kernel and returns the token's new entry.
+  """
 
   cfg: ModelConfig
-  # Decode only: return the new k/v instead of an updated cache (see
-  # Transformer.__call__'s ``defer_cache_write``).
-  defer_cache_write: bool = False
-  # Without a cache: also return this call's k/v (batched prefill).
-  collect_kv: bool = False
+  mode: str = "train"
   decode_attention: str = "blocked"
   attention_block: int = 0
 
@@ -232,9 +238,9 @@ class Attention(nn.Module):
       self,
       x: jax.Array,
       positions: jax.Array,
-      mask: jax.Array | None,
-      layer_cache: tuple[jax.Array, jax.Array] | None,
-      cache_rows: jax.Array | None = None,
+      mask: jax.Array | None = None,
+      cache: tuple[jax.Array, jax.Array] | None = None,
+      rows: jax.Array | None = None,
       layer: int = 0,
       kv_bound: int | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
@@ -262,33 +268,18 @@ class Attention(nn.Module):
     q = apply_rope(q, positions, cfg)
     k = apply_rope(k, positions, cfg)
 
-    new_cache = None
-    if layer_cache is None:
-      ctx = _attend(q, k, v, mask, attention_implementation(cfg))
-      if self.collect_kv:
-        new_cache = (k, v)
-    elif self.defer_cache_write:
-      ck, cv = layer_cache  # the whole head-major [L, B, Hkv, S, D] cache, read in place
+    if self.mode == "decode":
+      ck, cv = cache  # the whole head-major [L, B, Hkv, S, D] cache, read in place
       # "dense" scores the whole cache in one chunk (the old path, kept to
       # measure against); "blocked" reads the host's bound in chunks.
       s = ck.shape[3]
       bound, chunk = (s, s) if self.decode_attention == "dense" else (
           kv_bound or s, decode_chunk(self.attention_block))
-      ctx = _attend_cache_and_self(q, k, v, ck, cv, positions, cache_rows, bound, chunk, layer)
-      new_cache = (k.astype(ck.dtype), v.astype(cv.dtype))
+      ctx = _attend_cache_and_self(q, k, v, ck, cv, positions, rows, bound, chunk, layer)
+      kv = (k.astype(ck.dtype), v.astype(cv.dtype))
     else:
-      ck, cv = layer_cache  # [B,Hkv,S,D]
-      b_idx = jnp.arange(x.shape[0])[:, None]
-      # Scatter at absolute positions; out-of-range positions are dropped.
-      # (Advanced indices around a slice put [B,T] first: the [B,T,Hkv,D] k.)
-      ck = ck.at[b_idx, :, positions].set(k.astype(ck.dtype), mode="drop")
-      cv = cv.at[b_idx, :, positions].set(v.astype(cv.dtype), mode="drop")
-      s = ck.shape[2]
-      cache_mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B,T,S]
-      ctx = jax.nn.dot_product_attention(
-          q, ck.swapaxes(1, 2).astype(dtype), cv.swapaxes(1, 2).astype(dtype),
-          mask=cache_mask[:, None], implementation="xla")
-      new_cache = (ck, cv)
+      ctx = _attend(q, k, v, mask, attention_implementation(cfg))
+      kv = (k, v) if self.mode == "prefill" else None
 
     out = nn.DenseGeneral(
         features=cfg.d_model,
@@ -300,7 +291,7 @@ class Attention(nn.Module):
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         name="out",
     )(ctx)
-    return out, new_cache
+    return out, kv
 
 
 class MLP(nn.Module):
@@ -330,24 +321,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block."""
+  """Pre-norm residual block; ``mode`` as in :class:`Attention`."""
 
   cfg: ModelConfig
-  defer_cache_write: bool = False
-  collect_kv: bool = False
+  mode: str = "train"
   decode_attention: str = "blocked"
   attention_block: int = 0
 
   @nn.compact
-  def __call__(self, x, positions, mask, layer_cache, cache_rows=None, layer=0, kv_bound=None):
-    h, new_cache = Attention(
-        self.cfg, self.defer_cache_write, self.collect_kv, self.decode_attention,
-        self.attention_block, name="attn",
-    )(_rms_norm(self.cfg, "attn_norm")(x), positions, mask, layer_cache, cache_rows, layer,
-      kv_bound)
+  def __call__(self, x, positions, mask=None, cache=None, rows=None, layer=0, kv_bound=None):
+    h, kv = Attention(self.cfg, self.mode, self.decode_attention, self.attention_block,
+                      name="attn")(_rms_norm(self.cfg, "attn_norm")(x), positions, mask, cache,
+                                   rows, layer, kv_bound)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(_rms_norm(self.cfg, "mlp_norm")(x))
-    return x, new_cache
+    return x, kv
 
 
 def head_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
@@ -376,6 +364,12 @@ def head_weight(cfg: ModelConfig, params) -> jax.Array:
 class Transformer(nn.Module):
   """Decoder-only LM. See the module docstring for layout and axis names.
 
+  One path per job, each its own method over the same parameters:
+  ``__call__`` (training and scoring: the full sequence, causal),
+  ``prefill`` (a prompt: causal within it, returns the keys/values to write)
+  and ``decode`` (one token per row against the cache, returns the entry to
+  commit). Call them as ``model.apply(variables, ..., method=...)``.
+
   ``remat``: a key of ``REMAT_POLICIES``; rematerialises each block in the
   backward pass (training only; the learner sets it, rollout never does).
   """
@@ -387,85 +381,103 @@ class Transformer(nn.Module):
   decode_attention: str = "blocked"
   attention_block: int = 0
 
-  @nn.compact
   def __call__(
       self,
       tokens: jax.Array,
       positions: jax.Array,
-      kv_cache: KVCache | None = None,
       attention_mask: jax.Array | None = None,
-      defer_cache_write: bool = False,
       return_hidden: bool = False,
-      cache_rows: jax.Array | None = None,
-      collect_kv: bool = False,
-      kv_bound: int | None = None,
-  ) -> jax.Array | tuple[jax.Array, KVCache]:
-    """Runs the model.
+  ) -> jax.Array:
+    """Training / scoring: the full sequence, causal attention.
 
     Args:
       tokens: ``[B,T]`` int32 token ids.
-      positions: ``[B,T]`` int32 absolute positions (drive RoPE and, with a
-        cache, where k/v are written).
-      kv_cache: If given, k/v for ``tokens`` are written into it at
-        ``positions`` and each query attends to cache slots ``j <= position``
-        of its own row. Prefill = prompt at positions ``0..T-1`` (right-padded
-        slots get overwritten by decode before they are read); decode =
-        ``T=1`` at per-row positions.
-      attention_mask: ``[B,T]`` bool, True for real tokens; only used without
-        a cache, where it hides padded *keys* (causality is by index).
-      defer_cache_write: decode (``T=1``) only. The cache is only read: each
-        token attends to its row's entries ``j < position`` plus itself, and
-        the returned ``KVCache`` holds just the new entries ``[L,B,1,Hkv,D]``
-        for the caller to commit (``KVCache.write_step``). Writing the cache
-        inside the model produces an updated copy of the whole cache per
-        call, which dominates a decode step; committing once, in place, and
-        only for the rows the caller keeps (DORA runs one pass per policy
-        version and keeps each row's own version) costs a few entries.
+      positions: ``[B,T]`` int32 absolute positions (drive RoPE).
+      attention_mask: ``[B,T]`` bool, True for real tokens: hides padded
+        *keys* (causality is by index). Right-padded rows need none.
       return_hidden: Return the final-normed hidden states ``[B,T,D]``
         instead of logits. With a 150k vocabulary ``[B,T,V]`` float32 logits
         are the largest tensor of a step: the learner computes log-probs
-        from the hidden states in chunks (``jax_dora.model.logits``) and
-        prefill only needs the last position.
-      cache_rows: with ``defer_cache_write``: ``[B]`` rows of ``kv_cache``
-        the ``B`` tokens belong to (the cache keeps every slot; a DORA pass
-        decodes one version's rows). Without it row ``b`` is token ``b``.
-      collect_kv: without a cache: also return this call's keys/values
-        ``[L,B,T,Hkv,D]`` (prefill computes attention within the prompt and
-        the engine writes only these entries into the slots' cache).
-      kv_bound: with ``defer_cache_write``: a Python int, every row's
-        position is at most this, so decode attention reads cache entries
-        ``[0, kv_bound)`` only (``None``: the whole cache). Static: one
-        program per bound, no data-dependent loop (see
-        ``_attend_cache_and_self``).
+        from the hidden states in chunks (``jax_dora.model.logits``).
 
     Returns:
-      float32 ``logits[B,T,V]`` (or the hidden states), plus the updated
-      ``KVCache`` (or, with ``defer_cache_write``, the new entries) when a
-      cache was passed.
+      float32 ``logits[B,T,V]``, or the hidden states.
     """
-    cfg = self.cfg
-    tokens = tokens.astype(jnp.int32)
-    positions = positions.astype(jnp.int32)
-    t = tokens.shape[1]
+    mask = None if attention_mask is None else attention_mask.astype(bool)
+    out, _ = self._forward("train", tokens, positions, mask=mask, return_hidden=return_hidden)
+    return out
 
-    mask = None  # key mask of the cache-free path (causality is by index)
-    if kv_cache is None:
-      if attention_mask is not None:
-        mask = attention_mask.astype(bool)
-    elif attention_mask is not None:
-      # A cache has no memory of which slots were padding, so a key mask
-      # here would silently not apply to later steps; refuse instead.
-      raise ValueError("attention_mask is not supported with kv_cache (use right padding)")
-    if defer_cache_write and (kv_cache is None or t != 1):
-      raise ValueError("defer_cache_write needs a kv_cache and one token per row (decode)")
-    if cache_rows is not None and not defer_cache_write:
-      raise ValueError("cache_rows is only supported with defer_cache_write (decode)")
-    if collect_kv and kv_cache is not None:
-      raise ValueError("collect_kv is for cache-free prefill; with a cache the entries are written")
+  def prefill(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, KVCache]:
+    """A batch of prompts: attention within each row (no cache read).
+
+    ``tokens, positions[B,T]``, right-padded rows at positions ``0..T-1``.
+    Returns the final-normed hidden states ``[B,T,D]`` (the caller samples
+    from the positions it needs with ``head_logits``: ``[B,T,V]`` logits
+    would be the largest tensor of the call) and the call's keys/values
+    ``KVCache(k, v)`` of ``[L,B,T,Hkv,D]``: the caller writes only these
+    entries into its cache (``KVCache.from_prefill``, or the engine's
+    scatter into slots), so prefill costs the prompt, not ``max_seq_len``.
+    """
+    return self._forward("prefill", tokens, positions, return_hidden=True)
+
+  def decode(
+      self,
+      tokens: jax.Array,
+      positions: jax.Array,
+      cache: KVCache,
+      rows: jax.Array | None = None,
+      kv_bound: int | None = None,
+  ) -> tuple[jax.Array, KVCache]:
+    """One token per row against the cache, which is only read.
+
+    Args:
+      tokens, positions: ``[B,1]``; each token attends to its row's cache
+        entries ``j < position`` plus itself.
+      cache: the whole head-major ``KVCache`` ``[L,Bc,Hkv,S,D]``.
+      rows: ``[B]`` cache rows the ``B`` tokens belong to (the cache keeps
+        every slot; a DORA pass decodes one version's rows). ``None``: row
+        ``b`` is token ``b``.
+      kv_bound: a Python int, every row's position is at most this, so the
+        blocked kernel reads cache entries ``[0, kv_bound)`` only (``None``:
+        the whole cache). Static: one program per bound, no data-dependent
+        loop (see ``_attend_cache_and_self``).
+
+    Returns:
+      float32 ``logits[B,1,V]`` and the new entries ``KVCache(k, v)`` of
+      ``[L,B,1,Hkv,D]`` for the caller to commit (``KVCache.write_step``).
+      Writing the cache inside the model would produce an updated copy of
+      the whole cache per call, which dominates a decode step; committing
+      once, in place, and only for the rows the caller keeps (DORA runs one
+      pass per policy version and keeps each row's own version) costs a few
+      entries.
+    """
+    if tokens.shape[1] != 1:
+      raise ValueError(f"decode takes one token per row (decode), got [B,T]={tokens.shape}")
+    return self._forward("decode", tokens, positions, cache=cache, rows=rows, kv_bound=kv_bound)
+
+  @nn.compact
+  def _forward(
+      self,
+      mode: str,
+      tokens: jax.Array,
+      positions: jax.Array,
+      *,
+      mask: jax.Array | None = None,
+      cache: KVCache | None = None,
+      rows: jax.Array | None = None,
+      kv_bound: int | None = None,
+      return_hidden: bool = False,
+  ) -> tuple[jax.Array, KVCache | None]:
+    """The layers every path shares; ``mode`` (static) picks the attention."""
+    cfg = self.cfg
+    if mode not in MODES:
+      raise ValueError(f"mode={mode!r} is not one of {MODES}")
     if self.decode_attention not in DECODE_ATTENTION:
       raise ValueError(f"decode_attention={self.decode_attention!r} is not one of {DECODE_ATTENTION}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
+    tokens = tokens.astype(jnp.int32)
+    positions = positions.astype(jnp.int32)
 
     embed = nn.Embed(
         cfg.vocab_size,
@@ -482,20 +494,14 @@ class Transformer(nn.Module):
     block_cls = Block
     if self.remat != "none":
       block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=True)
+    layer_cache = None if cache is None else (cache.k, cache.v)  # read whole, in place
     new_k, new_v = [], []
     for i in range(cfg.n_layers):
-      if kv_cache is None:
-        layer_cache = None
-      elif defer_cache_write:  # decode reads the layer from the whole cache
-        layer_cache = (kv_cache.k, kv_cache.v)
-      else:
-        layer_cache = (kv_cache.k[i], kv_cache.v[i])
-      x, nc = block_cls(cfg, defer_cache_write, collect_kv, self.decode_attention,
-                        self.attention_block, name=f"layers_{i}")(
-                            x, positions, mask, layer_cache, cache_rows, i, kv_bound)
-      if nc is not None:
-        new_k.append(nc[0])
-        new_v.append(nc[1])
+      x, kv = block_cls(cfg, mode, self.decode_attention, self.attention_block,
+                        name=f"layers_{i}")(x, positions, mask, layer_cache, rows, i, kv_bound)
+      if kv is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
 
     x = _rms_norm(cfg, "final_norm")(x)
     if return_hidden:
@@ -516,6 +522,6 @@ class Transformer(nn.Module):
           name="lm_head",
       )(x)
 
-    if kv_cache is None and not collect_kv:
-      return out
+    if mode == "train":
+      return out, None
     return out, KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))

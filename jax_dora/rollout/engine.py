@@ -482,12 +482,12 @@ class DoraEngine(engine_api.Engine):
   def _next_prefill_key(self) -> jax.Array:
     return jax.random.fold_in(self._base_key, self._next_prefill_count())
 
-  def _prefill_impl(self, params, cache, tokens, offset, true_length, version, rng):
+  def _prefill_impl(self, params, tokens, true_length, version, rng):
     t = tokens.shape[0]
-    positions = (offset + jnp.arange(t, dtype=jnp.int32))[None]
-    hidden, cache = self.model.apply(
-        {"params": params}, tokens[None], positions, kv_cache=cache, return_hidden=True
-    )
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    hidden, kv = self.model.apply(
+        {"params": params}, tokens[None], positions, method=Transformer.prefill)
+    cache = KVCache.from_prefill(kv, self.model_cfg.max_seq_len, self.model_cfg.dtype)
     # Only the last real position's logits are needed: [1, V], not [T, V].
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, axis=0, keepdims=True)
     logits = head_logits(last, head_weight(self.model_cfg, params))
@@ -496,7 +496,7 @@ class DoraEngine(engine_api.Engine):
         cache=cache,
         token=tok[0],
         logprob=logp[0],
-        true_length=offset + true_length,
+        true_length=true_length,
         version=version,
     )
 
@@ -516,8 +516,10 @@ class DoraEngine(engine_api.Engine):
       params: A :class:`MultiVersionParams` (its newest version is used, the
         DORA rule for new work) or a plain param tree (then ``version`` names
         it; default 0).
-      existing_prefix: Continue from this prefix: the new tokens are appended
-        at positions ``existing_prefix.true_length...``.
+      existing_prefix: Not supported (``None`` only): a prompt prefills from
+        position 0. (Appending to a prefix needs attention over its cache
+        plus the new tokens, a path no caller uses; JetStream's orchestrator
+        passes ``None``.)
       padded_tokens: ``[T]`` int32, right-padded to a bucket length (see
         :meth:`pad_tokens`) so compiles are shared.
       true_length: Number of real tokens in ``padded_tokens``.
@@ -531,20 +533,13 @@ class DoraEngine(engine_api.Engine):
     tokens = jnp.asarray(padded_tokens, jnp.int32).reshape(-1)
     if not 0 < true_length <= tokens.shape[0]:
       raise ValueError(f"true_length={true_length} not in (0, {tokens.shape[0]}]")
-    if existing_prefix is None:
-      cache = KVCache.zeros(self.model_cfg, 1)
-      offset = 0
-    else:
-      cache = existing_prefix.cache
-      offset = int(existing_prefix.true_length)
-    if offset + true_length > self.model_cfg.max_seq_len:
+    if existing_prefix is not None:
+      raise NotImplementedError("prefill appends to no existing_prefix: pass the whole context")
+    if tokens.shape[0] > self.model_cfg.max_seq_len:
       raise ValueError(
-          f"prefix of {offset + true_length} tokens exceeds max_seq_len={self.model_cfg.max_seq_len}"
-      )
+          f"prefix of {tokens.shape[0]} tokens exceeds max_seq_len={self.model_cfg.max_seq_len}")
     rng = self._next_prefill_key() if rng is None else rng
-    return self._prefill_fn(
-        params, cache, tokens, jnp.int32(offset), jnp.int32(true_length), jnp.int32(version), rng
-    )
+    return self._prefill_fn(params, tokens, jnp.int32(true_length), jnp.int32(version), rng)
 
   # ------------------------------------------------------- batched prefill
   def prefill_rows(self, length: int) -> tuple[int, ...]:
@@ -582,8 +577,7 @@ class DoraEngine(engine_api.Engine):
     """
     u, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (u, t))
-    hidden, kv = self.model.apply(
-        {"params": params}, tokens, positions, collect_kv=True, return_hidden=True)
+    hidden, kv = self.model.apply({"params": params}, tokens, positions, method=Transformer.prefill)
     # Only each context's last real position is sampled from: [U, V], not [U, T, V].
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = head_logits(last, head_weight(self.model_cfg, params))
@@ -761,9 +755,8 @@ class DoraEngine(engine_api.Engine):
     """
     acc_new, acc_tokens, acc_logp, owned, bad = acc
     logits, new = self.model.apply(
-        {"params": params}, state.tokens[:, None], state.positions[:, None],
-        kv_cache=state.cache, defer_cache_write=True, kv_bound=bound,
-    )
+        {"params": params}, state.tokens[:, None], state.positions[:, None], state.cache,
+        kv_bound=bound, method=Transformer.decode)
     tok, logp = sample_tokens(logits[:, 0], self._version_key(state, version), self.temperature,
                               self.top_p, self.suppress_mask)
     mine = state.active & (state.version == version)
@@ -790,8 +783,7 @@ class DoraEngine(engine_api.Engine):
     # rows' entries below the bound instead of a gathered copy of whole rows.
     logits, new = self.model.apply(
         {"params": params}, state.tokens[rows][:, None], state.positions[rows][:, None],
-        kv_cache=state.cache, defer_cache_write=True, cache_rows=rows, kv_bound=bound,
-    )
+        state.cache, rows=rows, kv_bound=bound, method=Transformer.decode)
     tok, logp = sample_tokens(logits[:, 0], self._version_key(state, version), self.temperature,
                               self.top_p, self.suppress_mask)
     acc_new = KVCache(
