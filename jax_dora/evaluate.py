@@ -56,8 +56,7 @@ def load_run_config(run_dir: str):
 
 
 def snapshot_dir(cfg, run_dir: str) -> str:
-  return str(cfg.snapshots.directory) if cfg.snapshots.directory else os.path.join(
-      run_dir, "snapshots")
+  return cfg.snapshots.directory or os.path.join(run_dir, "snapshots")
 
 
 def evaluate_run(run_dir: str, step: int | None = None, *, num_samples: int | None = None,
@@ -71,6 +70,7 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
                       num_prompts: int | None = None, greedy: bool | None = None) -> list[dict]:
   """Evaluates each version in ``steps`` (``None``: the newest) on the same
   held-out prompts with one set of servers; returns one metrics dict per step."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -81,13 +81,13 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
   from jax_dora.runtime import build_rollout_side, run_async  # pylint: disable=g-import-not-at-top
   from jax_dora.snapshots.store import SnapshotReader  # pylint: disable=g-import-not-at-top
 
-  cfg = load_run_config(run_dir)
-  cfg.role, cfg.rollout.server_addresses = "all", ""  # its own embedded servers
+  raw = load_run_config(run_dir)
+  raw.role, raw.rollout.server_addresses = "all", ""  # its own embedded servers
   for key, value in (("num_samples", num_samples), ("num_prompts", num_prompts),
                      ("greedy", greedy)):
     if value is not None:
-      cfg.eval[key] = value
-  validate(cfg)
+      raw.eval[key] = value
+  cfg = validate(raw)
   if cfg.eval.num_prompts < 1:
     raise EvaluateError("no held-out prompts: pass --num_prompts")
   snaps = snapshot_dir(cfg, run_dir)
@@ -100,17 +100,18 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
     raise EvaluateError(f"version(s) {missing} not in {snaps} (kept: {versions};"
                         " snapshots.max_to_keep prunes older ones; 0 keeps all)")
   if cfg.eval.greedy:
-    cfg.rollout.temperature = 0.0  # engine: argmax (after validate, which refuses 0 for training)
+    # The engine's argmax (after validate, which refuses temperature 0 for training).
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=0.0))
   policy = resolve_policy(cfg)
   tokenizer = policy.tokenizer
-  prompts = make_eval_prompts(cfg, int(cfg.eval.num_prompts), tokenizer)
+  prompts = make_eval_prompts(cfg, cfg.eval.num_prompts, tokenizer)
   rollout = build_rollout_side(cfg, snaps, list(jax.devices()), policy)
   dispatcher = rollout.dispatcher
   evaluator = Evaluator(
       prompts, dispatcher, rollout.scorer, tokenizer,
-      lambda p: length_budget(tokenizer, int(cfg.rollout.max_new_tokens),
+      lambda p: length_budget(tokenizer, cfg.rollout.max_new_tokens,
                               cfg.rollout.length_mode == "answer", p),
-      num_samples=int(cfg.eval.num_samples), correct_threshold=float(cfg.eval.correct_threshold))
+      num_samples=cfg.eval.num_samples, correct_threshold=cfg.eval.correct_threshold)
 
   results: list[dict] = []
 
@@ -120,8 +121,8 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
         await dispatcher.broadcast_version(step)
         await evaluator.evaluate()
         results.append(
-            {"step": step, "num_prompts": len(prompts), "num_samples": int(cfg.eval.num_samples),
-             "greedy": bool(cfg.eval.greedy), **evaluator.last_metrics,
+            {"step": step, "num_prompts": len(prompts), "num_samples": cfg.eval.num_samples,
+             "greedy": cfg.eval.greedy, **evaluator.last_metrics,
              "samples": [{"sample_id": sid, "member": m, "completion": text, "reward": r}
                          for sid, m, text, r in evaluator.last_samples]})
     finally:
@@ -148,7 +149,9 @@ def main(argv: list[str]) -> None:
 
   try:
     # The run's cache setting (older runs' configs lack the key: the default).
-    setup_compile_cache(load_run_config(_RUN_DIR.value).get("compile_cache_dir", "auto"))
+    from jax_dora.config import RunConfig  # pylint: disable=g-import-not-at-top
+
+    setup_compile_cache(RunConfig.of(load_run_config(_RUN_DIR.value)).compile_cache_dir)
     if _STEPS.value and _STEP.value is not None:
       raise EvaluateError("pass --step or --steps, not both")
     try:

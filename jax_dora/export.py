@@ -58,8 +58,10 @@ def load_run_params(run_dir: str, step: int | None = None):
     raise ExportError(f"{meta_file} not found: is {run_dir} a jax-dora run directory?")
   meta = json.loads(meta_file.read_text())
   cfg = ModelConfig(**meta["model"])
-  run_cfg = json.loads((run / "config.json").read_text())
-  snap_dir = run_cfg.get("snapshots", {}).get("directory") or str(run / "snapshots")
+  from jax_dora.config import SnapshotsConfig  # pylint: disable=g-import-not-at-top
+
+  snapshots = SnapshotsConfig.of(json.loads((run / "config.json").read_text())["snapshots"])
+  snap_dir = snapshots.directory or str(run / "snapshots")
   reader = SnapshotReader(snap_dir)
   versions = reader.versions()
   if step is None or step < 0:

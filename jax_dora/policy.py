@@ -17,8 +17,9 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from jax_dora.config import DataConfig, ModelBlock, RunConfig
+from jax_dora.config.model import RUN_LEVEL_FIELDS
 from jax_dora.model import CharTokenizer, ModelConfig, suppress_mask
-from jax_dora.model.hf_checkpoint import RUN_LEVEL_FIELDS
 from jax_dora.model.tokenizer import PolicyTokenizer
 
 _log = logging.getLogger(__name__)
@@ -58,13 +59,12 @@ class PolicySpec:
     return load_params(self.checkpoint, self.model_cfg, shardings)
 
 
-def _architecture_overrides(model: ml_collections.ConfigDict) -> dict[str, Any]:
+def _architecture_overrides(model: ModelBlock) -> dict[str, Any]:
   """Architecture values the run config sets explicitly (non-None)."""
-  skip = ("hf_path", *RUN_LEVEL_FIELDS)
-  return {k: v for k, v in model.items() if k not in skip and v is not None}
+  return {k: v for k, v in model.architecture.items() if k not in RUN_LEVEL_FIELDS}
 
 
-def resolve_policy(cfg: ml_collections.ConfigDict) -> PolicySpec:
+def resolve_policy(cfg: RunConfig | ml_collections.ConfigDict) -> PolicySpec:
   """The policy ``cfg`` describes; validates an HF checkpoint without reading its weights.
 
   Raises:
@@ -74,13 +74,14 @@ def resolve_policy(cfg: ml_collections.ConfigDict) -> PolicySpec:
       architecture.
     jax_dora.model.hf_tokenizer.TokenizerLoadError: unusable tokenizer files.
   """
-  m, d = cfg.model, cfg.data
+  m, d = ModelBlock.of(cfg.model), DataConfig.of(cfg.data)
   if not m.hf_path:
     if d.prompt_template != "raw":
       raise ValueError("data.prompt_template=chat needs a tokenizer with a chat template"
                        " (model.hf_path); the native character model takes raw prompts")
     tokenizer = CharTokenizer()
-    return PolicySpec(ModelConfig.from_config_dict(m, vocab_size=tokenizer.vocab_size), tokenizer)
+    return PolicySpec(ModelConfig.from_config_dict(m.architecture, vocab_size=tokenizer.vocab_size),
+                      tokenizer)
 
   from jax_dora.model.hf_checkpoint import (  # pylint: disable=g-import-not-at-top
       model_config_from_checkpoint,
@@ -91,10 +92,9 @@ def resolve_policy(cfg: ml_collections.ConfigDict) -> PolicySpec:
   ckpt = open_checkpoint(m.hf_path)
   model_cfg = model_config_from_checkpoint(
       ckpt, _architecture_overrides(m),
-      max_seq_len=int(m.max_seq_len), param_dtype=str(m.param_dtype), dtype=str(m.dtype),
-      attention_impl=str(m.attention_impl))
-  tokenizer = HFTokenizer(ckpt.path, str(d.prompt_template), str(d.system_prompt),
-                          str(d.prompt_suffix))
+      max_seq_len=m.max_seq_len, param_dtype=m.param_dtype, dtype=m.dtype,
+      attention_impl=m.attention_impl)
+  tokenizer = HFTokenizer(ckpt.path, d.prompt_template, d.system_prompt, d.prompt_suffix)
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(
         f"{ckpt.path}: the tokenizer has {tokenizer.vocab_size} ids but the model's embedding"

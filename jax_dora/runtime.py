@@ -25,7 +25,7 @@ import jax
 import ml_collections
 from etils import epath
 
-from jax_dora.config import ConfigError, validate
+from jax_dora.config import ConfigError, RunConfig, validate
 from jax_dora.data import PromptStream, load_file_splits, make_eval_prompts, uses_files
 from jax_dora.distributed import maybe_initialize_distributed
 from jax_dora.learner.batch_dump import BatchRecorder
@@ -115,7 +115,7 @@ def setup_logging(level: int | None = None) -> None:
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def learner_processes(cfg: ml_collections.ConfigDict) -> set[int] | None:
+def learner_processes(cfg: RunConfig) -> set[int] | None:
   """The processes of the jax.distributed cluster that run the learner.
 
   ``None`` when the learner is the whole runtime (single process, or
@@ -160,7 +160,7 @@ class RunPaths:
   model_config: epath.Path
 
   @classmethod
-  def from_config(cls, cfg: ml_collections.ConfigDict) -> RunPaths:
+  def from_config(cls, cfg: RunConfig) -> RunPaths:
     out = epath.Path(cfg.output_dir)
     snaps = epath.Path(cfg.snapshots.directory) if cfg.snapshots.directory else out / "snapshots"
     return cls(out, snaps, out / "checkpoints", out / "metrics.jsonl",
@@ -173,9 +173,9 @@ def new_incarnation() -> str:
   return uuid.uuid4().hex[:12]
 
 
-def write_run_metadata(paths: RunPaths, cfg: ml_collections.ConfigDict, policy: PolicySpec) -> None:
+def write_run_metadata(paths: RunPaths, cfg: RunConfig, policy: PolicySpec) -> None:
   """The run config and resolved model config, beside the checkpoints that need them."""
-  paths.run_config.write_text(cfg.to_json_best_effort(indent=2, sort_keys=True))
+  paths.run_config.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
   paths.model_config.write_text(json.dumps(
       {"model": policy.model_cfg.to_dict(), "hf_path": policy.hf_path}, indent=2, sort_keys=True))
 
@@ -214,7 +214,7 @@ class RolloutSide:
     self.scorer.close()
 
 
-def build_rollout_side(cfg: ml_collections.ConfigDict, snapshot_dir: epath.Path,
+def build_rollout_side(cfg: RunConfig, snapshot_dir: epath.Path,
                        devices: list[jax.Device], policy: PolicySpec, *,
                        incarnation: str | None = None,
                        on_reissue: Callable[[int, int, str], None] | None = None) -> RolloutSide:
@@ -232,7 +232,7 @@ def build_rollout_side(cfg: ml_collections.ConfigDict, snapshot_dir: epath.Path,
       seed=cfg.seed,
       incarnation=incarnation,
   )
-  return RolloutSide(clients, dispatcher, RewardScorer.from_config(cfg))
+  return RolloutSide(clients, dispatcher, RewardScorer.from_config(cfg.reward))
 
 
 def run_async(main: Callable[[], Any]) -> Any:
@@ -274,7 +274,7 @@ class Run:
   mirror the primary's learner operations (``jax_dora.learner.multihost``).
   """
 
-  cfg: ml_collections.ConfigDict
+  cfg: RunConfig
   paths: RunPaths
   policy: PolicySpec
   mesh: jax.sharding.Mesh
@@ -416,9 +416,9 @@ class Run:
     return summary
 
 
-def check_run_config(cfg: ml_collections.ConfigDict) -> None:
-  """:func:`validate` plus what only a training run refuses."""
-  validate(cfg)
+def check_run_config(cfg: ml_collections.ConfigDict | RunConfig) -> RunConfig:
+  """:func:`validate` plus what only a training run refuses; the typed config."""
+  cfg = validate(cfg)
   if cfg.eval.greedy:
     raise ConfigError("config.eval.greedy is for `python -m jax_dora.evaluate --greedy`, which starts"
                       " its own servers: the in-training eval shares the rollout servers, whose"
@@ -426,9 +426,10 @@ def check_run_config(cfg: ml_collections.ConfigDict) -> None:
   if cfg.role == "rollout":
     raise ConfigError("config.role=rollout is a rollout server: start it with"
                       " `python -m jax_dora.rollout.server_main`, not jax_dora.train")
+  return cfg
 
 
-def build_run(cfg: ml_collections.ConfigDict) -> Run:
+def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
   """Builds every part of a training run from ``cfg`` (nothing trains yet).
 
   Devices are split between learner and rollout, the learner is built (from
@@ -437,7 +438,7 @@ def build_run(cfg: ml_collections.ConfigDict) -> Run:
   rollout servers have a policy to load. The host side (prompts, servers,
   dispatcher, ledger, metrics) is built by :meth:`Run.train` on the primary.
   """
-  check_run_config(cfg)
+  cfg = check_run_config(cfg)  # typed from here on
   setup_logging()
   maybe_initialize_distributed(cfg)
   paths = RunPaths.from_config(cfg)
@@ -458,7 +459,7 @@ def build_run(cfg: ml_collections.ConfigDict) -> Run:
   mesh = make_mesh(learner_devs, cfg.learner.mesh_data, cfg.learner.mesh_fsdp,
                    cfg.learner.mesh_tensor)
   batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-  batch_rows = cfg.learner.groups_per_step * cfg.learner.group_size
+  batch_rows = cfg.learner.batch_rows
   if batch_rows % batch_shards:
     raise ConfigError(
         f"learner batch of {batch_rows} trajectories (groups_per_step x group_size) is not"
@@ -491,7 +492,7 @@ def build_run(cfg: ml_collections.ConfigDict) -> Run:
     _tell_the_screen("compiling the learner step and the rollout servers' decode before the clock"
                      " starts (config.precompile) ...")
     t0 = time.time()
-    learner.warmup(batch_rows, parse_buckets(str(cfg.learner.seq_len_buckets), cfg.model.max_seq_len))
+    learner.warmup(batch_rows, parse_buckets(cfg.learner.seq_len_buckets, cfg.model.max_seq_len))
     log.info("compiled the train step for every length bucket in %.1fs", time.time() - t0)
   meta: dict[str, Any] = {}
   if resumed_step is not None:

@@ -10,7 +10,6 @@ import pytest
 from jax_dora.config import base_config
 from jax_dora.data import (
     PromptStream,
-    default_data_config,
     is_heldout,
     make_eval_prompts,
     make_prompt_dataset,
@@ -96,7 +95,7 @@ def test_set_state_rejects_other_data_config():
 
 
 def test_accepts_data_subconfig_and_validates():
-  d = default_data_config()
+  d = base_config().data
   assert PromptStream(d).next_prompt().sample_id == 0
   with pytest.raises(ValueError, match="eval_seed"):
     make_eval_prompts(_cfg(eval_seed=0), 1)

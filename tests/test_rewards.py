@@ -85,7 +85,7 @@ def test_crashing_and_raising_verifiers_score_zero_and_are_counted():
 
 
 def test_task_reward_scores_synthetic_prompts():
-  with RewardScorer.from_config(base_config()) as s:
+  with RewardScorer.from_config(base_config().reward) as s:
     p = Prompt(1, "repeat", "rep 2 ab:", "abab")
     assert s.score_blocking(p, "abab") == 1.0
     assert s.score_blocking(p, "") == 0.0

@@ -75,7 +75,7 @@ def test_group_waiting_counts_from_group_completion():
 
 # --------------------------------------------------------------------- config
 def test_pace_config_from_base_config():
-  c = PaceConfig.from_config(base_config().pace)
+  c = PaceConfig.of(base_config().pace)
   assert c.target_pool_groups == 4 and c.on_reject == "regenerate"
   assert c.waiting_weight > c.generation_weight
 
@@ -85,7 +85,7 @@ def test_pace_config_rejects_typos_and_bad_values():
   d = cfg.to_dict()
   d["gian"] = 1.0
   with pytest.raises(ValueError, match="gian"):
-    PaceConfig.from_config(d)
+    PaceConfig.of(d)
   with pytest.raises(ValueError, match="on_reject"):
     PaceConfig(on_reject="keep")
   with pytest.raises(ValueError, match="budget"):

@@ -35,31 +35,8 @@ whose text hashes into ``heldout_fraction`` (removed from training). Prompts
 whose templated token count exceeds ``rollout.max_prefill_length`` are
 dropped up front, with a logged count.
 
-Config fields (``cfg.data``, defaults in :func:`jax_dora.data.default_data_config`):
-
-* ``tasks`` (str): comma-separated task names, e.g. ``"repeat,add,sort,reverse"``.
-* ``task_weights`` (str): comma-separated mixture weights, same order
-  (normalised; empty = uniform).
-* ``seed`` (int): seeds prompt content and the per-epoch shuffle.
-* ``eval_seed`` (int): seeds held-out prompt content.
-* ``heldout_fraction`` (float): share of the prompt-hash space reserved for
-  eval, in ``(0, 1)``.
-* ``max_answer_len`` (int): longest answer in characters; keep it
-  ``<= rollout.max_new_tokens`` so the tail can be answered in full.
-* ``max_prompt_len`` (int): longest prompt text; keep it
-  ``<= rollout.max_prefill_length - 1`` (BOS).
-* ``length_alpha`` (float): exponent of the answer-length power law
-  (``P(L) ∝ L**-alpha``); smaller = heavier tail.
-* ``num_examples`` (int): example indices per epoch.
-* ``num_epochs`` (int): passes over them; ``0`` = repeat forever.
-* ``train_files`` / ``eval_files`` (str): comma-separated JSONL/Parquet paths;
-  a non-empty ``train_files`` switches from synthetic tasks to files.
-* ``format`` (str): record format (``gsm8k``, ``math``, ``deepscaler``,
-  ``plain``; see ``jax_dora.data.formats``).
-* ``prompt_field`` / ``answer_field`` (str): override the format's fields.
-* ``on_bad_row`` (str): ``skip`` (logged count) or ``error``.
-* ``prompt_template`` (str): ``chat`` (the tokenizer's chat template) or
-  ``raw``; ``system_prompt`` and ``prompt_suffix`` (str) shape the prompt.
+Config fields: ``config.data``, typed, documented and checked in
+:class:`jax_dora.config.DataConfig`.
 """
 
 from __future__ import annotations
@@ -79,6 +56,8 @@ import numpy as np
 
 from etils import epath
 
+from jax_dora.config.data import DataConfig
+from jax_dora.config.run import RunConfig
 from jax_dora.csv_fields import split_csv
 from jax_dora.data.files import DatasetError, RecordTable, read_records
 from jax_dora.data.formats import RecordFormat, get_format
@@ -92,17 +71,22 @@ _MAX_SPLIT_TRIES = 10_000
 _HASH_RANGE = 2**32
 
 
-def _data_cfg(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Accepts the full run config or its ``data`` sub-config."""
-  return cfg.data if "data" in cfg else cfg
+# What every function here accepts: the typed run config or its ``data``
+# block, or the ``ConfigDict`` of either (typed and checked on entry).
+DataSource = DataConfig | RunConfig | ml_collections.ConfigDict
 
 
-def uses_files(cfg: ml_collections.ConfigDict) -> bool:
+def _data_cfg(cfg: DataSource) -> DataConfig:
+  """The typed ``data`` block of ``cfg`` (the full run config or the block itself)."""
+  return DataConfig.of(cfg.data if hasattr(cfg, "data") else cfg)
+
+
+def uses_files(cfg: DataSource) -> bool:
   """Whether prompts come from dataset files rather than the synthetic tasks."""
-  return bool(str(_data_cfg(cfg).get("train_files", "")).strip())
+  return _data_cfg(cfg).uses_files
 
 
-def make_mixture(cfg: ml_collections.ConfigDict) -> TaskMixture:
+def make_mixture(cfg: DataSource) -> TaskMixture:
   """The task mixture described by ``cfg.data``."""
   d = _data_cfg(cfg)
   names = split_csv(d.tasks, str)
@@ -146,17 +130,6 @@ def _draw(
   )
 
 
-def _check(d: ml_collections.ConfigDict) -> None:
-  if not 0.0 < d.heldout_fraction < 1.0:
-    raise ValueError(f"data.heldout_fraction={d.heldout_fraction} must be in (0, 1)")
-  if d.num_examples < 1:
-    raise ValueError(f"data.num_examples={d.num_examples} must be >= 1")
-  if d.num_epochs < 0:
-    raise ValueError(f"data.num_epochs={d.num_epochs} must be >= 0 (0 = forever)")
-  if d.seed == d.eval_seed:
-    raise ValueError(f"data.eval_seed must differ from data.seed (both {d.seed})")
-
-
 @dataclasses.dataclass
 class FileSplits:
   """Validated train and eval records of a file dataset."""
@@ -192,7 +165,7 @@ def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileS
     evals = read_records(split_csv(d["eval_files"], str), fmt, d["on_bad_row"])
     skipped.update(evals.skipped)
   else:
-    keep, held = _split_heldout(train, fmt, float(d["heldout_fraction"]))
+    keep, held = _split_heldout(train, fmt, d["heldout_fraction"])
     if not keep or not held:
       raise DatasetError(
           f"data.heldout_fraction={d['heldout_fraction']} leaves {len(keep)} train and"
@@ -213,19 +186,19 @@ def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileS
   return FileSplits(fmt, train, evals, dict(skipped), overlong)
 
 
-def _files_key(d: ml_collections.ConfigDict) -> str:
+def _files_key(d: DataConfig) -> str:
   keys = ("train_files", "eval_files", "format", "prompt_field", "answer_field", "on_bad_row",
           "heldout_fraction")
-  return json.dumps({k: d[k] for k in keys}, sort_keys=True)
+  return json.dumps({k: getattr(d, k) for k in keys}, sort_keys=True)
 
 
-def load_file_splits(cfg: ml_collections.ConfigDict, tokenizer: Any = None) -> FileSplits:
+def load_file_splits(cfg: DataSource, tokenizer: Any = None) -> FileSplits:
   """Train/eval records of ``cfg.data``'s files (cached per config and tokenizer).
 
   With a ``tokenizer`` (and the full run config), prompts longer than
   ``rollout.max_prefill_length`` tokens after templating are dropped.
   """
-  max_tokens = int(cfg.rollout.max_prefill_length) if "rollout" in cfg else None
+  max_tokens = cfg.rollout.max_prefill_length if hasattr(cfg, "rollout") else None
   return _load_file_splits(_files_key(_data_cfg(cfg)), tokenizer, max_tokens)
 
 
@@ -234,65 +207,63 @@ def _record_prompt(fmt: RecordFormat, sample_id: int, rec: dict[str, Any]) -> Pr
                 meta={"file": rec["file"], "row": rec["row"]})
 
 
-def make_prompt_dataset(cfg: ml_collections.ConfigDict, tokenizer: Any = None) -> grain.MapDataset:
+def make_prompt_dataset(cfg: DataSource, tokenizer: Any = None) -> grain.MapDataset:
   """Training prompts as a ``MapDataset`` whose element ``i`` has ``sample_id == i``."""
   d = _data_cfg(cfg)
-  _check(d)
-  if uses_files(cfg):
+  if d.uses_files:
     splits = load_file_splits(cfg, tokenizer)
-    seed = int(d.seed)
+    seed = d.seed
     return (
         grain.MapDataset.source(splits.train)
         .shuffle(seed=seed)
-        .repeat(int(d.num_epochs) or None)
+        .repeat(d.num_epochs or None)
         .map_with_index(lambda position, rec: _record_prompt(splits.fmt, position, rec))
     )
   mixture = make_mixture(d)
-  seed, frac = int(d.seed), float(d.heldout_fraction)
+  seed, frac = d.seed, d.heldout_fraction
 
   def to_prompt(position: int, index: int) -> Prompt:
     return _draw(mixture, seed, int(index), int(position), frac, want_heldout=False)
 
   return (
-      grain.MapDataset.range(int(d.num_examples))
+      grain.MapDataset.range(d.num_examples)
       .shuffle(seed=seed)
-      .repeat(int(d.num_epochs) or None)
+      .repeat(d.num_epochs or None)
       .map_with_index(to_prompt)
   )
 
 
-def make_eval_prompts(cfg: ml_collections.ConfigDict, n: int, tokenizer: Any = None) -> list[Prompt]:
+def make_eval_prompts(cfg: DataSource, n: int, tokenizer: Any = None) -> list[Prompt]:
   """``n`` held-out prompts (``eval_seed``, ids ``-1..-n``), disjoint by text from training.
 
   File datasets hold a finite eval set: at most all of it is returned.
   """
   d = _data_cfg(cfg)
-  _check(d)
-  if uses_files(cfg):
+  if d.uses_files:
     splits = load_file_splits(cfg, tokenizer)
-    order = np.random.default_rng(int(d.eval_seed)).permutation(len(splits.eval))
+    order = np.random.default_rng(d.eval_seed).permutation(len(splits.eval))
     return [_record_prompt(splits.fmt, -(i + 1), splits.eval[int(j)])
-            for i, j in enumerate(order[:int(n)])]
+            for i, j in enumerate(order[:n])]
   mixture = make_mixture(d)
   return [
-      _draw(mixture, int(d.eval_seed), i, -(i + 1), float(d.heldout_fraction), want_heldout=True)
-      for i in range(int(n))
+      _draw(mixture, d.eval_seed, i, -(i + 1), d.heldout_fraction, want_heldout=True)
+      for i in range(n)
   ]
 
 
-def config_fingerprint(cfg: ml_collections.ConfigDict) -> str:
+def config_fingerprint(cfg: DataSource) -> str:
   """Short hash of the fields that determine the stream's contents."""
   d = _data_cfg(cfg)
-  if uses_files(cfg):
+  if d.uses_files:
     keys = ("train_files", "eval_files", "format", "prompt_field", "answer_field", "on_bad_row",
             "seed", "heldout_fraction", "num_epochs", "prompt_template", "system_prompt",
             "prompt_suffix")
     sizes = [epath.Path(p).stat().length for p in split_csv(d.train_files, str)]
-    blob = json.dumps({**{k: str(d[k]) for k in keys}, "sizes": sizes}, sort_keys=True)
+    blob = json.dumps({**{k: str(getattr(d, k)) for k in keys}, "sizes": sizes}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
   keys = ("tasks", "task_weights", "seed", "heldout_fraction", "max_answer_len",
           "max_prompt_len", "length_alpha", "num_examples", "num_epochs")
-  blob = json.dumps({k: str(d[k]) for k in keys}, sort_keys=True)
+  blob = json.dumps({k: str(getattr(d, k)) for k in keys}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -305,7 +276,7 @@ class PromptStream:
   the old one would have yielded next, with the same sample ids.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, tokenizer: Any = None):
+  def __init__(self, cfg: DataSource, tokenizer: Any = None):
     self._fingerprint = config_fingerprint(cfg)
     ds = make_prompt_dataset(cfg, tokenizer)
     # Prompts are generated in memory in microseconds: reader threads would

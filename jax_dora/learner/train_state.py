@@ -23,6 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_dora.config.learner import LearnerConfig
 from jax_dora.learner.batching import parse_buckets
 from jax_dora.learner.length_groups import plan_micro_batches, take_micro_batch
 from jax_dora.learner.losses import (
@@ -51,9 +52,9 @@ class TrainState:
   ref_params: Any = None
 
 
-def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
   """AdamW with linear warmup and gradient clipping (standard RL-finetune recipe)."""
-  warmup = max(int(cfg.warmup_steps), 1)
+  warmup = max(cfg.warmup_steps, 1)
   schedule = optax.join_schedules(
       [
           # Start at lr / warmup, not 0, so the very first update moves the policy.
@@ -126,7 +127,7 @@ class Learner:
   def __init__(
       self,
       model_cfg: ModelConfig,
-      learner_cfg: ml_collections.ConfigDict,
+      learner_cfg: LearnerConfig | ml_collections.ConfigDict,
       mesh: Mesh,
       *,
       temperature: float = 1.0,
@@ -136,27 +137,27 @@ class Learner:
   ):
     if not temperature > 0:
       raise ValueError(f"temperature must be > 0 (the learner divides logits by it), got {temperature}")
+    cfg = LearnerConfig.of(learner_cfg)  # checked and typed once, here
     self.model_cfg = model_cfg
-    self.cfg = learner_cfg
+    self.cfg = cfg
     self.mesh = mesh
     self.temperature = float(temperature)
     self.suppress_mask = suppress_mask
-    self.logprob_chunk = int(learner_cfg.get("logprob_chunk_size", 0))
-    self.micro_batch = int(learner_cfg.get("micro_batch_size", 0))
-    self.model = Transformer(model_cfg, remat=str(learner_cfg.get("remat", "none")))
-    self.tx = make_optimizer(learner_cfg)
-    self.use_ref = learner_cfg.kl_coef > 0.0
-    self.loss_settings = LossSettings.from_config(learner_cfg, default_norm_length=model_cfg.max_seq_len)
-    self.ppo_minibatches = max(1, int(learner_cfg.get("ppo_minibatches", 1)))
-    self.group_by_length = bool(learner_cfg.get("group_micro_batches_by_length", False))
+    self.logprob_chunk = cfg.logprob_chunk_size
+    self.micro_batch = cfg.micro_batch_size
+    self.model = Transformer(model_cfg, remat=cfg.remat)
+    self.tx = make_optimizer(cfg)
+    self.use_ref = cfg.kl_coef > 0.0
+    self.loss_settings = LossSettings.from_config(cfg, default_norm_length=model_cfg.max_seq_len)
+    self.ppo_minibatches = cfg.ppo_minibatches
+    self.group_by_length = cfg.group_micro_batches_by_length
     if self.group_by_length and self.micro_batch <= 0:
       raise ValueError("learner.group_micro_batches_by_length needs learner.micro_batch_size > 0")
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     if self.group_by_length and self.micro_batch % batch_devices:
       raise ValueError(f"learner.micro_batch_size={self.micro_batch} must be a multiple of the"
                        f" {batch_devices} data x fsdp devices the rows are sharded over")
-    self.seq_len_buckets = parse_buckets(str(learner_cfg.get("seq_len_buckets", "")),
-                                         model_cfg.max_seq_len)
+    self.seq_len_buckets = parse_buckets(cfg.seq_len_buckets, model_cfg.max_seq_len)
 
     # The state's layout comes from the abstract params (the model's init
     # traced once per process, shared with the rollout side) through the

@@ -15,9 +15,13 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
-ROPE_SCALINGS = ("", "llama3")
-# Kernels of the cache-free attention (jax_dora.model.transformer._attend).
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# ROPE_SCALINGS, and ATTENTION_IMPLS: the kernels of the cache-free attention
+# (jax_dora.model.transformer._attend); the config's model block owns both.
+from jax_dora.config.model import ATTENTION_IMPLS, ROPE_SCALINGS, ModelBlock
+
+# The defaults of the run config's model block (the tiny native model): one
+# source, so the two cannot disagree again (max_seq_len was 128 here, 96 there).
+_BLOCK = ModelBlock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,27 +62,27 @@ class ModelConfig:
   """
 
   vocab_size: int
-  d_model: int = 64
-  n_layers: int = 2
-  n_heads: int = 4
-  d_ff: int = 256
-  max_seq_len: int = 128
-  n_kv_heads: int = 0
-  head_dim: int = 0
-  rope_theta: float = 10000.0
-  rope_scaling: str = ""
-  rope_scaling_factor: float = 1.0
-  rope_low_freq_factor: float = 1.0
-  rope_high_freq_factor: float = 4.0
-  rope_original_max_len: int = 8192
-  norm_eps: float = 1e-6
-  qkv_bias: bool = False
-  out_bias: bool = False
-  qk_norm: bool = False
-  tie_embeddings: bool = False
-  param_dtype: str = "float32"
-  dtype: str = "float32"
-  attention_impl: str = "auto"
+  d_model: int = _BLOCK.d_model
+  n_layers: int = _BLOCK.n_layers
+  n_heads: int = _BLOCK.n_heads
+  d_ff: int = _BLOCK.d_ff
+  max_seq_len: int = _BLOCK.max_seq_len
+  n_kv_heads: int = _BLOCK.n_kv_heads
+  head_dim: int = _BLOCK.head_dim
+  rope_theta: float = _BLOCK.rope_theta
+  rope_scaling: str = _BLOCK.rope_scaling
+  rope_scaling_factor: float = _BLOCK.rope_scaling_factor
+  rope_low_freq_factor: float = _BLOCK.rope_low_freq_factor
+  rope_high_freq_factor: float = _BLOCK.rope_high_freq_factor
+  rope_original_max_len: int = _BLOCK.rope_original_max_len
+  norm_eps: float = _BLOCK.norm_eps
+  qkv_bias: bool = _BLOCK.qkv_bias
+  out_bias: bool = _BLOCK.out_bias
+  qk_norm: bool = _BLOCK.qk_norm
+  tie_embeddings: bool = _BLOCK.tie_embeddings
+  param_dtype: str = _BLOCK.param_dtype
+  dtype: str = _BLOCK.dtype
+  attention_impl: str = _BLOCK.attention_impl
 
   def __post_init__(self):
     # Resolve the "0 = derived" defaults once, so every reader sees numbers.

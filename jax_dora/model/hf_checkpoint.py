@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
+# ModelConfig fields that come from the run, never from config.json.
+from jax_dora.config.model import RUN_LEVEL_FIELDS
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.families import Family, TensorMap, get_family
 from jax_dora.model.families.base import UnsupportedCheckpointError
@@ -36,8 +38,6 @@ _log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-# ModelConfig fields that come from the run, never from config.json.
-RUN_LEVEL_FIELDS = ("max_seq_len", "param_dtype", "dtype", "attention_impl")
 
 
 class CheckpointError(ValueError):

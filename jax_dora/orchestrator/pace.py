@@ -68,63 +68,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from jax_dora.config.pace import ON_REJECT, PaceConfig  # noqa: F401  (re-exported)
 from jax_dora.orchestrator import staleness as staleness_lib
 from jax_dora.types import Trajectory
 
 log = logging.getLogger(__name__)
 
 Group = Sequence[Trajectory]
-ON_REJECT = ("regenerate", "drop")
-
-
-@dataclasses.dataclass(frozen=True)
-class PaceConfig:
-  """PACE knobs; see the module docstring for how each enters the formulas."""
-
-  target_pool_groups: int = 4
-  gain: float = 0.5
-  min_budget: int = 0
-  max_budget: int = 4
-  smoothing: float = 0.5
-  generation_weight: float = 0.5
-  waiting_weight: float = 1.0
-  on_reject: str = "regenerate"
-  versions_per_token: float = 0.0  # 0 = estimate from the pool
-  generation_slack: float = 1.0
-
-  def __post_init__(self):
-    if self.target_pool_groups < 0:
-      raise ValueError(f"pace.target_pool_groups must be >= 0, got {self.target_pool_groups}")
-    if self.gain < 0:
-      raise ValueError(f"pace.gain must be >= 0, got {self.gain}")
-    if not 0 <= self.min_budget <= self.max_budget:
-      raise ValueError(
-          f"pace needs 0 <= min_budget <= max_budget, got {self.min_budget}, {self.max_budget}"
-      )
-    if not 0.0 <= self.smoothing < 1.0:
-      raise ValueError(f"pace.smoothing must be in [0, 1), got {self.smoothing}")
-    if self.generation_weight < 0 or self.waiting_weight < 0:
-      raise ValueError("pace.generation_weight and pace.waiting_weight must be >= 0")
-    if self.on_reject not in ON_REJECT:
-      raise ValueError(f"pace.on_reject must be one of {ON_REJECT}, got {self.on_reject!r}")
-    if self.versions_per_token < 0 or self.generation_slack < 0:
-      raise ValueError("pace.versions_per_token and pace.generation_slack must be >= 0")
-
-  @classmethod
-  def from_config(cls, cfg: Any) -> PaceConfig:
-    """Builds from ``config.pace`` (a ConfigDict or mapping).
-
-    Keys absent from ``cfg`` keep their defaults (so older configs still load);
-    keys this class does not know raise, so a typo cannot silently fall back
-    to a default.
-    """
-    d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"unknown pace config keys {unknown}; known: {sorted(names)}")
-    types = {"target_pool_groups": int, "min_budget": int, "max_budget": int, "on_reject": str}
-    return cls(**{k: types.get(k, float)(v) for k, v in d.items()})
 
 
 @dataclasses.dataclass(frozen=True)

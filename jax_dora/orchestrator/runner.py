@@ -39,7 +39,9 @@ from jax_dora.orchestrator.dispatch import Dispatcher, to_trajectory
 from jax_dora.orchestrator.evaluation import Evaluator, length_budget
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.modes import Mode, mode_class
-from jax_dora.orchestrator.pace import PaceConfig, PaceController
+from jax_dora.config.run import RunConfig
+from jax_dora.orchestrator.host import PublisherLike, ScorerLike, TrainerLike
+from jax_dora.orchestrator.pace import PaceController
 from jax_dora.orchestrator.pool import TrajectoryPool
 from jax_dora.orchestrator.publishing import BackgroundPublisher
 from jax_dora.orchestrator.telemetry import RolloutTelemetry, log_line
@@ -79,18 +81,19 @@ class Orchestrator:
 
   def __init__(
       self,
-      cfg: Any,
+      cfg: RunConfig | Any,
       *,
-      learner: Any,
-      publisher: Any,
+      learner: TrainerLike,
+      publisher: PublisherLike,
       dispatcher: Dispatcher,
       prompts: PromptSupply,
       tokenizer: Any,
-      scorer: Any,
+      scorer: ScorerLike,
       ledger: IntegrityLedger,
       hooks: RunHooks,
       incarnation: str = "",
   ):
+    cfg = RunConfig.of(cfg)  # typed from here on (a ConfigDict is validated block by block)
     self.cfg = cfg
     self.mode = cfg.mode
     self.learner = learner
@@ -107,27 +110,23 @@ class Orchestrator:
     # another incarnation's versions is never trained.
     self.incarnation = incarnation
 
-    self.group_size = int(cfg.learner.group_size)
-    self.groups_per_step = int(cfg.learner.groups_per_step)
-    self.max_staleness = int(cfg.orchestrator.max_staleness)
-    self.max_new_tokens = int(cfg.rollout.max_new_tokens)
+    self.group_size = cfg.learner.group_size
+    self.groups_per_step = cfg.learner.groups_per_step
+    self.max_staleness = cfg.orchestrator.max_staleness
+    self.max_new_tokens = cfg.rollout.max_new_tokens
     self.fixed_lengths = cfg.rollout.length_mode == "answer"
     self.version = int(learner.step)  # newest policy version the learner produced
     self.pool = TrajectoryPool(self.group_size, self.max_staleness)
-    self._seq_buckets = parse_buckets(
-        str(cfg.learner.seq_len_buckets), int(cfg.model.max_seq_len))
+    self._seq_buckets = parse_buckets(cfg.learner.seq_len_buckets, cfg.model.max_seq_len)
     # The mode strategy: owns the loop, its producer and gates; the rest of
     # this class asks it what the mode does instead of comparing names.
     self.strategy: Mode = mode_class(cfg.mode)(
-        self, queue_depth=int(cfg.orchestrator.queue_depth),
-        fill_staleness_budget=bool(cfg.orchestrator.fill_staleness_budget))
-    self.pace = (
-        PaceController(PaceConfig.from_config(cfg.pace)) if self.strategy.uses_pace else None
-    )
+        self, queue_depth=cfg.orchestrator.queue_depth,
+        fill_staleness_budget=cfg.orchestrator.fill_staleness_budget)
+    self.pace = PaceController(cfg.pace) if self.strategy.uses_pace else None
     self.pace_rejected = 0
     self.zero_variance = dynamic_sampling.ZeroVarianceFilter(
-        bool(cfg.learner.dynamic_sampling), self.groups_per_step,
-        int(cfg.learner.dynamic_sampling_max_draws))
+        cfg.learner.dynamic_sampling, self.groups_per_step, cfg.learner.dynamic_sampling_max_draws)
     self._judged: set[int] = set()  # complete pooled groups the filter has seen
     # Prompts to (re)generate before drawing new ones: carried over from a
     # resumed run, or rejected by PACE / evicted as stale.
@@ -147,10 +146,10 @@ class Orchestrator:
     self._last_trained: list[Trajectory] = []
     self._telemetry = RolloutTelemetry()
     self.evaluator = Evaluator(prompts.eval, dispatcher, scorer, tokenizer, self.length_budget,
-                               num_samples=int(cfg.eval.num_samples),
-                               correct_threshold=float(cfg.eval.correct_threshold))
+                               num_samples=cfg.eval.num_samples,
+                               correct_threshold=cfg.eval.correct_threshold)
     self.publish_in_background = (
-        bool(cfg.orchestrator.async_publish) and self.strategy.publishes_in_background
+        cfg.orchestrator.async_publish and self.strategy.publishes_in_background
     )
     self._background = BackgroundPublisher(
         publisher, self.version, self.on_published, self.spawn, self.fail)
@@ -220,8 +219,8 @@ class Orchestrator:
     traj.reward = float(await self.scorer.score(
         prompt, self.tokenizer.decode(traj.completion_tokens.tolist())))
     traj.reward_shaping = overlong_penalty(
-        traj.num_completion_tokens, budget, int(self.cfg.reward.overlong_buffer),
-        float(self.cfg.reward.overlong_penalty))
+        traj.num_completion_tokens, budget, self.cfg.reward.overlong_buffer,
+        self.cfg.reward.overlong_penalty)
     traj.reward += traj.reward_shaping
     self._generated_tokens += traj.num_completion_tokens
     self.ledger.finished(traj)
@@ -343,7 +342,7 @@ class Orchestrator:
         eps=self.cfg.learner.advantage_eps)
     seq_len = bucket_length(trajs, self._seq_buckets)
     batch = make_batch(trajs, adv, seq_len, self.tokenizer.pad_id, learner_version=self.version,
-                       mask_truncated=bool(self.cfg.learner.mask_truncated))
+                       mask_truncated=self.cfg.learner.mask_truncated)
     self.zero_variance.new_step()
     self._judged.difference_update(g[0].sample_id for g in groups)
     t0 = time.time()
@@ -443,20 +442,20 @@ class Orchestrator:
     """Telemetry, eval, metrics, callbacks, progress and checkpoint of one step."""
     rec.update(await self._telemetry.sample(self.dispatcher.live_clients))
     step = rec["step"]
-    every = int(self.cfg.eval.every_steps)
+    every = self.cfg.eval.every_steps
     if every > 0 and (step % every == 0 or step == self.cfg.total_steps):
       rec["eval_reward"] = await self.evaluator.evaluate()
       rec.update(self.evaluator.last_metrics)
     self.hooks.metrics.write(rec)
-    text_every = int(self.cfg.metrics.text_every_steps)
+    text_every = self.cfg.metrics.text_every_steps
     if (self.hooks.samples is not None and text_every > 0 and self.cfg.metrics.num_text_samples
         and (step % text_every == 0 or step == self.cfg.total_steps)):
-      self.hooks.samples(step, self._decoded_samples(int(self.cfg.metrics.num_text_samples)))
+      self.hooks.samples(step, self._decoded_samples(self.cfg.metrics.num_text_samples))
     if self.hooks.after_step is not None:
       out = self.hooks.after_step(rec, self)
       if asyncio.iscoroutine(out):
         await out
-    every_log = int(self.cfg.log_every)
+    every_log = self.cfg.log_every
     if every_log > 0 and (step % every_log == 0 or step == self.cfg.total_steps):
       log.info("%s", log_line(rec))
     if self.hooks.progress is not None:
@@ -465,7 +464,7 @@ class Orchestrator:
           reward=f"{rec['reward_mean']:.3f}", bubble=f"{rec['bubble_ratio']:.2f}",
           tok_s=f"{rec['trained_tokens_per_s']:.0f}",
       )
-    ck = int(self.cfg.checkpoint.every_steps)
+    ck = self.cfg.checkpoint.every_steps
     if self.hooks.checkpoint_fn is not None and ck > 0 and step % ck == 0:
       await self._checkpoint(step)
 
@@ -523,7 +522,7 @@ class Orchestrator:
     self.kick_producer()
 
   def steps_left(self) -> bool:
-    budget = float(self.cfg.max_wall_time_s)
+    budget = self.cfg.max_wall_time_s
     if budget > 0 and time.time() - self._t0 >= budget:
       return False
     return self.learner.step < self.cfg.total_steps

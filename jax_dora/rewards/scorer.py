@@ -33,7 +33,7 @@ _MAX_WARNINGS = 5
 
 def _init_worker() -> None:
   """Imports the heavy verifier stack once per worker, outside any call's deadline."""
-  import jax_dora.rewards  # pylint: disable=g-import-not-at-top,unused-import
+  import jax_dora.rewards.builtin  # pylint: disable=g-import-not-at-top,unused-import
 
   try:
     import math_verify  # pylint: disable=g-import-not-at-top,unused-import
@@ -46,7 +46,7 @@ def _call_reward(name: str, module: str, prompt: Prompt, completion: str) -> flo
   own reward module too), then looks the function up by name."""
   import importlib  # pylint: disable=g-import-not-at-top
 
-  import jax_dora.rewards  # pylint: disable=g-import-not-at-top,unused-import
+  import jax_dora.rewards.builtin  # pylint: disable=g-import-not-at-top,unused-import
 
   importlib.import_module(module)
   return float(get_reward(name).fn(prompt, completion))
@@ -88,11 +88,14 @@ class RewardScorer:
     self._lock = threading.Lock()
 
   @classmethod
-  def from_config(cls, cfg: Any) -> "RewardScorer":
+  def from_config(cls, reward: Any) -> "RewardScorer":
+    """From the run config's ``reward`` block (``jax_dora.config.RewardConfig``).
 
-    r = cfg.reward if "reward" in cfg else cfg
-    return cls(split_csv(r.functions), split_csv(r.weights, float) or None,
-               timeout_s=r.timeout_s, num_workers=r.num_workers)
+    Not imported here: the config block checks reward names against this
+    package's registry, so this package must not import the config.
+    """
+    return cls(split_csv(reward.functions), split_csv(reward.weights, float) or None,
+               timeout_s=reward.timeout_s, num_workers=reward.num_workers)
 
   # ------------------------------------------------------------------ pool
   def _get_pool(self):

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import jax
 
+from jax_dora.config import RunConfig
 from jax_dora.rollout import api
 from jax_dora.rollout.driver import RolloutDriver
 from jax_dora.rollout.engine import build_engine
@@ -182,8 +183,9 @@ def build_embedded_servers(
     from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
 
     policy = resolve_policy(config)
+  config = RunConfig.of(config)
   r = config.rollout
-  n, per = int(r.num_servers), max(1, int(r.devices_per_server))
+  n, per = r.num_servers, max(1, r.devices_per_server)
   devices = list(devices)
   if len(devices) >= n * per:
     slices = [devices[i * per:(i + 1) * per] for i in range(n)]
@@ -194,7 +196,7 @@ def build_embedded_servers(
     raise ValueError(
         f"{n} rollout servers x {per} devices need {n * per} devices, got {len(devices)}"
     )
-  seeds = itertools.count(int(config.seed) * 1000 + 17)
+  seeds = itertools.count(config.seed * 1000 + 17)
   loader = SharedSnapshotLoader(SnapshotReader(snapshot_dir))
   clients = []
   for i, devs in enumerate(slices):
@@ -202,7 +204,7 @@ def build_embedded_servers(
     driver = RolloutDriver(
         engine, snapshot_dir, max_versions=r.max_versions, name=f"server{i}",
         load_fn=functools.partial(loader.load, engine),
-        precompile=bool(config.precompile),
+        precompile=config.precompile,
     )
     clients.append(EmbeddedRolloutClient(driver))
   return clients

@@ -982,18 +982,20 @@ def build_engine(
   ``policy``: a resolved :class:`jax_dora.policy.PolicySpec` (model config
   and tokenizer); resolved from ``config`` when not given.
   """
+  from jax_dora.config import RunConfig  # pylint: disable=g-import-not-at-top
   from jax_dora.csv_fields import split_csv  # pylint: disable=g-import-not-at-top
 
   if policy is None:
     from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
 
     policy = resolve_policy(config)
+  config = RunConfig.of(config)
   r = config.rollout
   model_cfg = policy.model_cfg
   if r.param_dtype and r.param_dtype != model_cfg.param_dtype:
     # Servers may hold the policy narrower than the learner's master copy
     # (bf16 inference weights); snapshots are cast as they are restored.
-    model_cfg = dataclasses.replace(model_cfg, param_dtype=str(r.param_dtype))
+    model_cfg = dataclasses.replace(model_cfg, param_dtype=r.param_dtype)
   return DoraEngine(
       model_cfg,
       policy.tokenizer,

@@ -103,7 +103,7 @@ def build_driver(config, snapshot_dir: str, name: str):
       snapshot_dir,
       max_versions=config.rollout.max_versions,
       name=name,
-      precompile=bool(config.precompile),
+      precompile=config.precompile,
   ), devices
 
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-
-import ml_collections
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,7 +11,8 @@ class LossSettings:
   """Everything the objective, correction and aggregation read.
 
   Frozen and hashable: it is closed over by the jitted train step, so it must
-  be static.
+  be static. Its defaults are ``LearnerConfig``'s (a test holds them equal);
+  ``norm_length`` is the resolved length, never 0.
   """
 
   loss: str = "grpo"
@@ -21,36 +20,37 @@ class LossSettings:
   correction: str = "none"
   correction_level: str = "token"  # token | sequence (geometric mean over the sequence)
   clip_eps: float = 0.2
-  clip_eps_high: float = 0.2
+  clip_eps_high: float = 0.28  # = LearnerConfig.clip_eps_high
   gspo_clip_eps: float = 3e-4
   gspo_clip_eps_high: float = 4e-4
   cispo_clip_high: float = 5.0
-  tis_cap: float = math.inf
-  mis_low: float = 0.0
-  mis_high: float = math.inf
+  tis_cap: float = 2.0
+  mis_low: float = 0.5
+  mis_high: float = 2.0
   kl_coef: float = 0.0
   norm_length: int = 1  # Dr.GRPO's constant (seq_mean_token_sum_norm)
   proximal: str = "recompute"  # recompute | loglinear
 
   @classmethod
-  def from_config(cls, cfg: ml_collections.ConfigDict, default_norm_length: int) -> LossSettings:
-    """From the run config's ``learner`` block (``jax_dora.config`` holds the defaults)."""
+  def from_config(cls, learner: Any, default_norm_length: int) -> LossSettings:
+    """From the typed ``learner`` block (``jax_dora.config.LearnerConfig``, which owns the
+    defaults and checks; not imported here, since it checks names against this package)."""
     return cls(
-        loss=str(cfg.loss),
-        aggregation=str(cfg.loss_aggregation),
-        correction=str(cfg.is_correction),
-        correction_level=str(cfg.is_level),
-        clip_eps=float(cfg.clip_eps),
-        clip_eps_high=float(cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high),
-        gspo_clip_eps=float(cfg.gspo_clip_eps),
-        gspo_clip_eps_high=float(cfg.gspo_clip_eps_high),
-        cispo_clip_high=float(cfg.cispo_clip_high),
-        tis_cap=float(cfg.tis_cap),
-        mis_low=float(cfg.mis_low),
-        mis_high=float(cfg.mis_high),
-        kl_coef=float(cfg.kl_coef),
-        norm_length=int(cfg.loss_norm_length or default_norm_length),
-        proximal=str(cfg.proximal_logprobs),
+        loss=learner.loss,
+        aggregation=learner.loss_aggregation,
+        correction=learner.is_correction,
+        correction_level=learner.is_level,
+        clip_eps=learner.clip_eps,
+        clip_eps_high=learner.clip_eps_high,
+        gspo_clip_eps=learner.gspo_clip_eps,
+        gspo_clip_eps_high=learner.gspo_clip_eps_high,
+        cispo_clip_high=learner.cispo_clip_high,
+        tis_cap=learner.tis_cap,
+        mis_low=learner.mis_low,
+        mis_high=learner.mis_high,
+        kl_coef=learner.kl_coef,
+        norm_length=learner.loss_norm_length or default_norm_length,
+        proximal=learner.proximal_logprobs,
     )
 
   @property

@@ -1,0 +1,81 @@
+"""``config.model``: the policy's architecture and dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_dora.config.block import ConfigBlock, ConfigError, choice, field
+
+ROPE_SCALINGS = ("", "llama3")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# Fields that are a run's choice even for a Hugging Face checkpoint (the
+# others come from its config.json).
+RUN_LEVEL_FIELDS = ("max_seq_len", "param_dtype", "dtype", "attention_impl")
+
+
+def check_dtype(block: str, name: str, value: str) -> None:
+  """A dtype name JAX knows (``float32``, ``bfloat16``, ...)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  try:
+    np.dtype(jnp.dtype(value))
+  except TypeError:
+    raise ConfigError(f"config.{block}.{name}={value!r} is not a dtype name") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBlock(ConfigBlock):
+  """The tiny native character model by default.
+
+  A Hugging Face model sets ``hf_path`` (a local directory with config.json,
+  safetensors and tokenizer files) and leaves the architecture fields unset
+  (None, :func:`jax_dora.config.hf_model_config`): they come from
+  config.json, and any value set must agree with it.
+  """
+
+  BLOCK = "model"
+
+  hf_path: str = field("", "Local Hugging Face checkpoint directory; \"\" = the native tiny model.")
+  d_model: int | None = field(64, "Hidden size.")
+  n_layers: int | None = field(2, "Transformer blocks.")
+  n_heads: int | None = field(4, "Query heads.")
+  n_kv_heads: int | None = field(0, "Key/value heads (GQA); 0 = n_heads.")
+  head_dim: int | None = field(0, "Per-head size; 0 = d_model // n_heads.")
+  d_ff: int | None = field(256, "MLP hidden size.")
+  max_seq_len: int = field(96, "KV cache and training row length: always a run choice.")
+  rope_theta: float | None = field(10000.0, "RoPE base.")
+  rope_scaling: str | None = field("", "\"\" or \"llama3\".")
+  rope_scaling_factor: float | None = field(1.0, "Llama 3 RoPE scaling factor.")
+  rope_low_freq_factor: float | None = field(1.0, "Llama 3 RoPE low-frequency factor.")
+  rope_high_freq_factor: float | None = field(4.0, "Llama 3 RoPE high-frequency factor.")
+  rope_original_max_len: int | None = field(8192, "Llama 3 RoPE original context length.")
+  norm_eps: float | None = field(1e-6, "RMSNorm epsilon.")
+  qkv_bias: bool | None = field(False, "Biases on q/k/v projections (Qwen2).")
+  out_bias: bool | None = field(False, "Bias on the attention output projection.")
+  qk_norm: bool | None = field(False, "RMSNorm on queries and keys (Qwen3).")
+  tie_embeddings: bool | None = field(False, "Output head shares the embedding matrix.")
+  param_dtype: str = field(
+      "float32", "Dtype of params and Adam moments. Softmax, logits, log-probs and the loss"
+      " are always float32; bfloat16 dtype + float32 params is the usual accelerator setting.")
+  dtype: str = field("float32", "Dtype of activations and the KV cache.")
+  attention_impl: str = field(
+      "auto", "Training / prefill attention kernel: auto = cuDNN flash attention on a GPU"
+      " with bfloat16/float16 activations, XLA elsewhere; xla or cudnn to force one.")
+
+  def __post_init__(self):
+    if self.rope_scaling is not None:
+      choice(self.BLOCK, "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+    choice(self.BLOCK, "attention_impl", self.attention_impl, ATTENTION_IMPLS)
+    if self.max_seq_len < 2:
+      self.fail("max_seq_len", "must be >= 2")
+    for name in ("param_dtype", "dtype"):
+      check_dtype(self.BLOCK, name, getattr(self, name))
+
+  @property
+  def architecture(self) -> dict[str, object]:
+    """The architecture fields that are set (not None), for ``ModelConfig``."""
+    return {k: v for k, v in self.to_dict().items() if k != "hf_path" and v is not None}
+
+  def unset_fields(self) -> list[str]:
+    return [k for k, v in self.to_dict().items() if v is None]

@@ -1,0 +1,105 @@
+"""``config.rollout``: the rollout servers (JetStream engines) and how they are reached."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_dora.config.block import ConfigBlock, ConfigError, choice, field
+from jax_dora.config.model import check_dtype
+from jax_dora.csv_fields import split_csv
+
+LENGTH_MODES = ("eos", "answer")
+DECODE_ATTENTION = ("blocked", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(ConfigBlock):
+  """Servers, slots, sampling, the decode kernel and liveness checks."""
+
+  BLOCK = "rollout"
+
+  num_servers: int = field(2, "Embedded rollout servers (role=all).")
+  devices_per_server: int = field(1, "Devices of one embedded server.")
+  slots: int = field(16, "Decode slots per server (max_concurrent_decodes).")
+  max_prefill_length: int = field(32, "Longest prompt (tokens, with BOS).")
+  max_new_tokens: int = field(56, "Longest completion.")
+  length_mode: str = field(
+      "eos", "eos: a rollout ends at EOS or max_new_tokens (training). answer: a rollout"
+      " generates exactly len(answer) tokens, EOS ignored (vLLM's ignore_eos), so the"
+      " workload's length law sets every rollout's length: benchmarks compare modes on"
+      " identical work this way.")
+  temperature: float = field(
+      1.0, "Sampling temperature; the learner scores trajectories under logits / temperature"
+      " (training needs > 0; 0 = argmax, for jax_dora.evaluate --greedy).")
+  top_p: float = field(1.0, "Nucleus sampling mass, in (0, 1].")
+  max_versions: int = field(3, "Policy versions a server may hold at once.")
+  tensor_parallel: int = field(
+      1, "Devices of one server that split the model (heads, MLP, vocab); the server's other"
+      " devices split the slots.")
+  decode_attention: str = field(
+      "blocked", "blocked: read only the KV-cache entries below the smallest"
+      " decode_length_buckets entry that holds the longest live row, in chunks of"
+      " attention_block entries (online softmax). dense: score the whole cache (the old path,"
+      " to measure against).")
+  attention_block: int = field(
+      0, "Decode attention chunk (cache entries); 0 = 2048 on a GPU/TPU, 128 on CPU.")
+  decode_length_buckets: str = field(
+      "", "Comma-separated bounds of the decode programs; \"\" = doubling from max(128,"
+      " model.max_seq_len // 32); model.max_seq_len is always the last. Each bucket is a"
+      " compiled decode program (times the multi-version pass shapes).")
+  prefill_batch_tokens: int = field(
+      4096, "One admission round is one batched prefill of up to this many (padded) tokens"
+      " per device call.")
+  share_prompt_prefill: bool = field(
+      True, "Compute the identical prompts of a GRPO group once and copy their KV entries.")
+  param_dtype: str = field(
+      "", "Dtype the servers hold the policy in (\"\" = model.param_dtype): bfloat16 halves"
+      " rollout memory; snapshots are cast on restore.")
+  port: int = field(9000, "gRPC port of a rollout server (role=rollout).")
+  server_addresses: str = field(
+      "", "Comma-separated host:port of remote rollout servers; empty = embedded servers.")
+  health_interval_s: float = field(5.0, "Seconds between health checks of a server.")
+  unhealthy_after_s: float = field(
+      30.0, "A server is down after this long without a successful health check (a hung or"
+      " SIGSTOPped process); its requests are re-issued elsewhere.")
+  stall_timeout_s: float = field(
+      300.0, "A server is down after this long without a new token while it has requests"
+      " (0 = no stall check; keep it above the longest compile when precompile is off).")
+  control_timeout_s: float = field(10.0, "Deadline of Status / Abort / Health calls.")
+  load_timeout_s: float = field(600.0, "Deadline of one LoadVersion (and of start-up).")
+
+  @property
+  def remote(self) -> bool:
+    return bool(self.server_addresses.strip())
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      self.fail("temperature", "must be > 0 for training, or 0 for argmax decoding"
+                " (jax_dora.evaluate --greedy)")
+    if not 0 < self.top_p <= 1:
+      self.fail("top_p", "must be in (0, 1]")
+    if min(self.health_interval_s, self.unhealthy_after_s, self.control_timeout_s,
+           self.load_timeout_s) <= 0 or self.stall_timeout_s < 0:
+      raise ConfigError("config.rollout.health_interval_s, unhealthy_after_s, control_timeout_s"
+                        " and load_timeout_s must be > 0 (stall_timeout_s >= 0)")
+    choice(self.BLOCK, "decode_attention", self.decode_attention, DECODE_ATTENTION)
+    choice(self.BLOCK, "length_mode", self.length_mode, LENGTH_MODES)
+    if self.attention_block < 0 or self.prefill_batch_tokens < 1:
+      raise ConfigError("config.rollout.attention_block must be >= 0 and prefill_batch_tokens"
+                        " >= 1")
+    try:
+      if any(b < 1 for b in split_csv(self.decode_length_buckets, int)):
+        raise ValueError("every bucket must be >= 1")
+    except ValueError as e:
+      raise ConfigError(
+          f"config.rollout.decode_length_buckets={self.decode_length_buckets!r}: {e}") from e
+    if self.max_versions < 1:
+      self.fail("max_versions", "must be >= 1")
+    if min(self.num_servers, self.slots, self.max_prefill_length, self.max_new_tokens) < 1:
+      raise ConfigError("config.rollout.num_servers, slots, max_prefill_length and"
+                        " max_new_tokens must be >= 1")
+    dps = self.devices_per_server
+    if self.tensor_parallel < 1 or (dps > 0 and dps % self.tensor_parallel):
+      self.fail("tensor_parallel", f"must divide rollout.devices_per_server={dps}")
+    if self.param_dtype:
+      check_dtype(self.BLOCK, "param_dtype", self.param_dtype)
