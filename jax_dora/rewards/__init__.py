@@ -10,7 +10,7 @@ A new reward is one module with a ``@register(name)`` function and an import
 line below.
 """
 
-from jax_dora.rewards import format, math_reward, task  # pylint: disable=redefined-builtin  # registry
+from jax_dora.rewards import builtin  # noqa: F401  (fills the registry)
 from jax_dora.rewards.base import Reward, get_reward, register, reward_names
 from jax_dora.rewards.scorer import RewardScorer
 
