@@ -62,6 +62,14 @@ class Trajectory:
   # Run incarnation of the policy versions that generated it (see
   # jax_dora.snapshots): version numbers are only comparable within one.
   incarnation: str = ""
+  # Multi-turn (tool calls): completion ranges [start, end) the policy did not
+  # sample but the orchestrator appended (tool observations, with their fixed
+  # wrapper text). Context for the learner: loss mask 0, behaviour log-prob 0,
+  # covered by no span, and not counted in any "sampled tokens" figure.
+  context_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+  # One record per tool call, in order (``jax_dora.tools.ToolTurn.to_record``):
+  # the call's text, the observation, its status and where it sits.
+  tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   @property
   def key(self) -> tuple[int, int]:
@@ -70,6 +78,18 @@ class Trajectory:
   @property
   def num_completion_tokens(self) -> int:
     return int(len(self.completion_tokens))
+
+  @property
+  def num_sampled_tokens(self) -> int:
+    """Completion tokens the policy sampled (observations excluded)."""
+    return self.num_completion_tokens - sum(e - s for s, e in self.context_spans)
+
+  def sampled_mask(self) -> np.ndarray:
+    """``[num_completion_tokens]`` bool: True where the policy sampled the token."""
+    out = np.ones((self.num_completion_tokens,), bool)
+    for s, e in self.context_spans:
+      out[s:e] = False
+    return out
 
   @property
   def behaviour_versions(self) -> list[int]:

@@ -62,6 +62,9 @@ def make_batch(
   stopped at the length limit (``finish_reason == "length"``): a cut-off
   answer's reward says nothing about its reasoning, so its tokens take no
   gradient; the row still counts as trained (and in its group's advantages).
+
+  Tool observations (``Trajectory.context_spans``) stay in the row as context
+  the policy reads, with mask 0, behaviour log-prob 0 and staleness 0.
   """
   b = len(trajectories)
   if len(advantages) != b:
@@ -83,11 +86,12 @@ def make_batch(
     tokens[i, :p] = t.prompt_tokens
     tokens[i, p:p + c] = t.completion_tokens
     # Completion token j sits at position p + j and is predicted at p + j - 1.
+    sampled = t.sampled_mask()  # tool observations are context, never trained
     if not (mask_truncated and t.finish_reason == "length"):
-      mask[i, p - 1:p - 1 + c] = 1.0
-    blp[i, p - 1:p - 1 + c] = t.behaviour_logprobs
+      mask[i, p - 1:p - 1 + c] = sampled
+    blp[i, p - 1:p - 1 + c] = np.where(sampled, t.behaviour_logprobs, 0.0)
     if learner_version is not None and c:
-      stale[i, p - 1:p - 1 + c] = learner_version - t.token_versions()
+      stale[i, p - 1:p - 1 + c] = np.where(sampled, learner_version - t.token_versions(), 0)
   positions = np.broadcast_to(np.arange(seq_len - 1, dtype=np.int32), (b, seq_len - 1)).copy()
   return {
       "inputs": tokens[:, :-1],

@@ -574,10 +574,26 @@ class Dispatcher:
       resume: Trajectory | None = None,
       tag: str = "train",
       ignore_eos: bool = False,
+      stop_strings: tuple[str, ...] = (),
+      hold: str = "",
+      server: str | None = None,
   ) -> RolloutResult:
-    """Runs one request to completion (or abort), failing over on server failures."""
+    """Runs one request to completion (or abort), failing over on server failures.
+
+    Multi-turn: ``stop_strings`` end a turn at a tool call; ``hold`` keeps the
+    turn's version pinned on its server afterwards (``RolloutRequest.hold``);
+    ``server`` sends the request to that server only (where the hold lives):
+    if it is not up, or fails, :class:`VersionUnavailableError` is raised
+    instead of failing over, since no other server holds the pinned version.
+    The result names the server that generated it (``result.server``).
+    """
     self._ensure_monitor()
     abort_gen = None if tag == EVAL_TAG else self._abort_gen
+    extra = dict(stop_strings=tuple(stop_strings), hold=hold)
+    if server is not None:
+      return await self._run_on(server, prompt, prompt_tokens, member, max_new_tokens,
+                                version=version, resume=resume, tag=tag, ignore_eos=ignore_eos,
+                                abort_gen=abort_gen, **extra)
     attempts = 0
     failed_on: _ServerSlot | None = None
     retry_at = 0.0
@@ -590,22 +606,12 @@ class Dispatcher:
         await self._wait_change(retry_at - self._loop.time())
         continue
       rid = f"{tag}-{prompt.sample_id}-{member}-{next(self._ids)}"
-      req = RolloutRequest(
-          request_id=rid,
-          prompt_tokens=prompt_tokens,
-          max_new_tokens=max_new_tokens,
-          version=version,
-          ignore_eos=ignore_eos,
-          incarnation=self.incarnation or "",
-      )
-      if resume is not None and resume.num_completion_tokens:
-        req.resume_tokens = resume.completion_tokens
-        req.resume_logprobs = resume.behaviour_logprobs
-        req.resume_spans = tuple(resume.spans)
+      req = self._request(rid, prompt_tokens, max_new_tokens, version, resume, ignore_eos, **extra)
       s.in_flight += 1
       self._active[rid] = s
       try:
-        return await self._guarded(s, s.client.generate(req))
+        result = await self._guarded(s, s.client.generate(req))
+        return dataclasses.replace(result, server=s.client.name)
       except VersionUnavailableError:
         raise  # the caller pinned a version the server no longer holds: not a crash
       except RolloutError as e:
@@ -621,6 +627,55 @@ class Dispatcher:
       finally:
         s.in_flight -= 1
         self._active.pop(rid, None)
+
+
+  def _request(self, rid: str, prompt_tokens: np.ndarray, max_new_tokens: int,
+               version: int | None, resume: Trajectory | None, ignore_eos: bool,
+               **extra: Any) -> RolloutRequest:
+    req = RolloutRequest(
+        request_id=rid,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        version=version,
+        ignore_eos=ignore_eos,
+        incarnation=self.incarnation or "",
+        **extra,
+    )
+    if resume is not None and resume.num_completion_tokens:
+      req.resume_tokens = resume.completion_tokens
+      req.resume_logprobs = resume.behaviour_logprobs
+      req.resume_spans = tuple(resume.spans)
+    return req
+
+  async def _run_on(self, name: str, prompt: Prompt, prompt_tokens: np.ndarray, member: int,
+                    max_new_tokens: int, *, version: int | None, resume: Trajectory | None,
+                    tag: str, ignore_eos: bool, abort_gen: int | None,
+                    **extra: Any) -> RolloutResult:
+    """One attempt on server ``name`` (hold affinity): no failover, see :meth:`run`."""
+    s = next((x for x in self._servers if x.client.name == name), None)
+    if s is None or not s.alive:
+      raise VersionUnavailableError(
+          f"rollout server {name}, which holds this trajectory's version, is"
+          f" {'unknown' if s is None else s.state}")
+    if abort_gen is not None and self._abort_gen != abort_gen:
+      return self._aborted(f"{tag}-{prompt.sample_id}-{member}-aborted", resume)
+    rid = f"{tag}-{prompt.sample_id}-{member}-{next(self._ids)}"
+    req = self._request(rid, prompt_tokens, max_new_tokens, version, resume, ignore_eos, **extra)
+    s.in_flight += 1
+    self._active[rid] = s
+    try:
+      result = await self._guarded(s, s.client.generate(req))
+      return dataclasses.replace(result, server=s.client.name)
+    except VersionUnavailableError:
+      raise
+    except RolloutError as e:
+      self._suspect(s, e)
+      raise VersionUnavailableError(
+          f"rollout server {name} failed while holding this trajectory's version: {e}",
+          (rid,)) from e
+    finally:
+      s.in_flight -= 1
+      self._active.pop(rid, None)
 
 
 def to_trajectory(

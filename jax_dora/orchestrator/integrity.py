@@ -15,8 +15,9 @@ into a list of human-readable violations (empty = all good):
 * bounded staleness: ``learner_version - oldest span version <= max_staleness``
   at training time, and no span from a version newer than the learner's;
 * intra-trajectory consistency: one policy version per trajectory unless the
-  mode resumes interrupted rollouts (``allow_multi_version``); spans cover the
-  completion exactly.
+  mode resumes interrupted rollouts (``allow_multi_version``); the version
+  spans and the context spans (tool observations of a multi-turn trajectory,
+  which no version sampled) tile the completion exactly, without overlap.
 
 Events are appended to a JSONL file (the "trained-sample log", one object per
 line with an ``"event"`` field) as they happen, so the checks can be re-run
@@ -67,6 +68,10 @@ def read_log(path: PathLike) -> list[dict[str, Any]]:
 
 def _spans_json(traj: Trajectory) -> list[list[int]]:
   return [[int(s.start), int(s.end), int(s.version)] for s in traj.spans]
+
+
+def _context_json(traj: Trajectory) -> list[list[int]]:
+  return [[int(s), int(e)] for s, e in traj.context_spans]
 
 
 class IntegrityLedger:
@@ -195,9 +200,11 @@ class IntegrityLedger:
       self._reported.add((kind, key))
       self._event_violations.append(msg)
 
-  def _check_spans(self, key: Key, spans: list[list[int]], num_tokens: int) -> None:
+  def _check_spans(self, key: Key, spans: list[list[int]], num_tokens: int,
+                   context: list[list[int]] | None = None) -> None:
     pos = 0
-    for s, e, _ in sorted(spans):
+    pieces = sorted([(s, e) for s, e, _ in spans] + [(s, e) for s, e in context or ()])
+    for s, e in pieces:
       if s != pos or e < s:
         break
       pos = e
@@ -210,7 +217,8 @@ class IntegrityLedger:
               " never resumes rollouts (intra-trajectory consistency)",
           )
         return
-    self._violation("spans", key, f"{key}: spans {spans} do not cover its {num_tokens} tokens")
+    self._violation("spans", key, f"{key}: spans {spans} and context {context or []} do not"
+                    f" tile its {num_tokens} tokens")
 
   def _apply(self, r: dict[str, Any], carried: bool) -> None:
     ev = r["event"]
@@ -224,7 +232,7 @@ class IntegrityLedger:
       if ev == "trained":
         key = (sid, int(r["member"]))
         self._trained.append(dict(r, carried=True))
-        self._check_spans(key, r["spans"], int(r["num_tokens"]))
+        self._check_spans(key, r["spans"], int(r["num_tokens"]), r.get("context"))
       elif ev == "rejected" and not r["regenerate"]:
         self._dropped.update((sid, int(m)) for m in r["members"])
       return
@@ -260,7 +268,7 @@ class IntegrityLedger:
       if state != ISSUED:
         self._violation("finish", key, f"{key}: finished in state {state} (never issued?)")
       self._state[key] = FINISHED
-      self._check_spans(key, r["spans"], int(r["num_tokens"]))
+      self._check_spans(key, r["spans"], int(r["num_tokens"]), r.get("context"))
     elif ev == "trained":
       if key in self._dropped:
         self._violation("dropped", key, f"{key}: trained although it was dropped")
@@ -294,6 +302,7 @@ class IntegrityLedger:
     self._emit({
         "event": "finished", "sample_id": int(traj.sample_id), "member": int(traj.member),
         "spans": _spans_json(traj), "num_tokens": traj.num_completion_tokens,
+        **({"context": _context_json(traj)} if traj.context_spans else {}),
         "finish_reason": traj.finish_reason, "start_version": int(traj.start_version),
         "finish_version": int(traj.finish_version),
         "reward": None if traj.reward is None else float(traj.reward),
@@ -306,6 +315,7 @@ class IntegrityLedger:
       self._emit(*({
           "event": "trained", "sample_id": int(t.sample_id), "member": int(t.member),
           "spans": _spans_json(t), "num_tokens": t.num_completion_tokens,
+          **({"context": _context_json(t), "tool_calls": t.tool_calls} if t.tool_calls else {}),
           "learner_version": int(learner_version), "step": int(step),
           "start_version": int(t.start_version), "finish_version": int(t.finish_version),
           "reward": None if t.reward is None else float(t.reward),

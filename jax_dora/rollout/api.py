@@ -68,6 +68,17 @@ class RolloutRequest:
   # result (``RolloutClient.generate``) turn it off: over gRPC a chunk per
   # decode step per request costs more than the decode step itself.
   stream: bool = True
+  # Multi-turn (tool calls): generation also ends, with finish_reason "stop",
+  # right after the token that completes one of these strings (the tool-call
+  # end marker); the completion keeps that token.
+  stop_strings: tuple[str, ...] = ()
+  # Multi-turn: a hold id. When the request ends, the server keeps its version
+  # pinned under this id (never retired, as if a slot still used it) until a
+  # request with the same hold is admitted (which takes the pin over and, with
+  # version None, runs on the held version), ``abort([hold])`` releases it, or
+  # the server's hold timeout passes. This is what keeps a trajectory's policy
+  # version live on its server while a tool runs between two turns.
+  hold: str = ""
 
 
 @dataclasses.dataclass
@@ -86,9 +97,10 @@ class RolloutResult:
   completion_tokens: np.ndarray  # int32, includes EOS when finish_reason == "eos"
   logprobs: np.ndarray  # float32, behaviour log-prob per completion token
   spans: tuple[TokenSpan, ...]
-  finish_reason: str  # "eos" | "length" | "aborted"
+  finish_reason: str  # "eos" | "length" | "aborted" | "stop" (a stop string)
   prefill_version: int  # version that computed the prompt's KV cache this time
   incarnation: str = ""  # run incarnation of the versions that generated it
+  server: str = ""  # which server generated it (set by the dispatcher; hold affinity)
 
 
 @dataclasses.dataclass
@@ -112,6 +124,7 @@ class ServerStatus:
   prefill_requested_tokens: int = 0
   prefill_computed_tokens: int = 0
   resumed_prefill_tokens: int = 0
+  held_versions: tuple[int, ...] = ()  # versions pinned by holds (multi-turn), one per hold
 
 
 def health_reply(name: str, instance: str, status: ServerStatus) -> dict:
@@ -161,7 +174,8 @@ class RolloutClient(Protocol):
 
   async def abort(self, request_ids: list[str]) -> None:
     """Stops those requests; their streams end with finish_reason 'aborted'
-    and the partial completion (tokens, logprobs, spans) so they can resume."""
+    and the partial completion (tokens, logprobs, spans) so they can resume.
+    An id naming a hold (``RolloutRequest.hold``) releases that hold."""
 
   async def status(self) -> ServerStatus:
     ...

@@ -80,6 +80,9 @@ class _Active:
   budget: int  # new tokens this span may still produce (max_new_tokens and cache)
   stream: bool = True  # send RolloutChunks (False: only the terminal item)
   sent: int = 0  # tokens already streamed in chunks
+  # Multi-turn: token ids that may complete a stop string (checked on the
+  # decoded tail only when one of them is sampled), and the strings.
+  stop_triggers: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass
@@ -120,6 +123,7 @@ class RolloutDriver:
       stop_on_eos: bool = True,
       load_fn: Callable[[int, str | None], object] | None = None,
       precompile: bool = False,
+      hold_timeout_s: float = 600.0,
   ):
     """Starts the loop thread.
 
@@ -140,6 +144,8 @@ class RolloutDriver:
       precompile: Compile every device call the loop can make (each prefill
         bucket, 1..max_versions live versions) before serving, so no request
         stalls on a compile mid-run (``config.precompile``).
+      hold_timeout_s: A version hold (``RolloutRequest.hold``) not taken over
+        or released within this long is released (its orchestrator is gone).
     """
     self.engine = engine
     self.name = name
@@ -172,6 +178,15 @@ class RolloutDriver:
     self._stop_arr = np.asarray(sorted(self.stop_ids), np.int32)
     self._pending_step: _Step | None = None
     self._device_free_at = 0.0
+    # Multi-turn: hold id -> (version, monotonic time it was taken). Each hold
+    # keeps one store pin on its version.
+    self._holds: dict[str, tuple[int, float]] = {}
+    # What status() reports, rebuilt by the loop thread on every hold change
+    # (status() runs on other threads and must not iterate the dict).
+    self._held_versions: tuple[int, ...] = ()
+    self.hold_timeout_s = float(hold_timeout_s)
+    self._holds_checked = 0.0
+    self._stop_triggers: dict[tuple[str, ...], frozenset[int]] = {}
     self.prefill_work = PrefillWork()
     self._resumed_prefill_tokens = 0
 
@@ -297,6 +312,7 @@ class RolloutDriver:
           prefill_requested_tokens=self.prefill_work.requested_tokens,
           prefill_computed_tokens=self.prefill_work.computed_tokens,
           resumed_prefill_tokens=self._resumed_prefill_tokens,
+          held_versions=self._held_versions,
       )
 
   def stop(self, timeout_s: float = 30.0) -> None:
@@ -367,6 +383,7 @@ class RolloutDriver:
         if switch is not None:
           self._retire_incarnation(switch)
         self._handle_aborts(aborts)
+        self._expire_holds()
         self._maybe_load_pending()
         firsts = self._admit()
         self._free_unfilled()
@@ -392,6 +409,8 @@ class RolloutDriver:
     if (self._aborts or self._switch_to is not None or self._pending_step is not None
         or any(s is not None for s in self._slots)):
       return True
+    if self._holds and time.monotonic() - self._holds_checked >= 1.0:
+      return True  # a hold may have timed out
     return bool(self._queue) and (self.store.admitting or self.store.pending is not None)
 
   def _fail_all(self, message: str) -> None:
@@ -407,6 +426,7 @@ class RolloutDriver:
       self._safe_call(s.callback, api.RolloutError(message, ids))
     for q in queued:
       self._safe_call(q.callback, api.RolloutError(message, ids))
+    self._release_holds(list(self._holds))
     if ids:
       _log.warning("%s: failed %d in-flight request(s)", self.name, len(ids))
 
@@ -428,6 +448,8 @@ class RolloutDriver:
     for q in drop:
       self._safe_call(q.callback, api.IncarnationMismatchError(why, (q.request.request_id,)))
     peak = self.store.peak_loaded
+    self._holds.clear()  # their pins go with the old store
+    self._held_versions = ()
     self.store = VersionStore(self.store.max_versions)
     self.store.peak_loaded = peak
     self._incarnation = incarnation
@@ -436,10 +458,57 @@ class RolloutDriver:
                    failed + len(drop), old)
     self._switched.set()
 
+  # ----------------------------------------------------------------- holds
+  def _release_holds(self, hold_ids: list[str]) -> None:
+    for h in hold_ids:
+      held = self._holds.pop(h, None)
+      if held is not None:
+        self.store.release(held[0])
+    self._held_versions = tuple(sorted(v for v, _ in self._holds.values()))
+
+  def _expire_holds(self) -> None:
+    """Releases holds older than ``hold_timeout_s`` (checked about once a second)."""
+    now = time.monotonic()
+    if not self._holds or now - self._holds_checked < 1.0:
+      return
+    self._holds_checked = now
+    old = [h for h, (_, since) in self._holds.items() if now - since > self.hold_timeout_s]
+    if old:
+      _log.warning("%s: releasing %d version hold(s) not taken over within %.0fs", self.name,
+                   len(old), self.hold_timeout_s)
+      self._release_holds(old)
+
+  # ------------------------------------------------------------ stop strings
+  def _triggers(self, stop_strings: tuple[str, ...]) -> frozenset[int]:
+    """Token ids whose text holds the last character of a stop string (cached).
+
+    Only sampling one of these can complete a stop string, so the decoded
+    tail is checked for those tokens alone, not every token of every slot.
+    """
+    if not stop_strings:
+      return frozenset()
+    key = tuple(stop_strings)
+    if key not in self._stop_triggers:
+      tok = self.engine.tokenizer
+      last = {s[-1] for s in key if s}
+      self._stop_triggers[key] = frozenset(
+          i for i in range(tok.vocab_size) if last & set(tok.decode([i])))
+    return self._stop_triggers[key]
+
+  def _ends_with_stop(self, s: _Active) -> bool:
+    """Whether the token just sampled completed one of ``s``'s stop strings."""
+    n = int(self._count[s.slot])
+    width = max(len(x) for x in s.request.stop_strings) + 1
+    tail = self._tok_buf[s.slot, max(0, n - width):n].tolist()
+    decode = self.engine.tokenizer.decode
+    now, before = decode(tail), decode(tail[:-1])
+    return any(x and x in now and x not in before for x in s.request.stop_strings)
+
   # ---------------------------------------------------------------- aborts
   def _handle_aborts(self, aborts: set[str]) -> None:
     if not aborts:
       return
+    self._release_holds([a for a in aborts if a in self._holds])
     with self._lock:
       keep = collections.deque()
       dropped = []
@@ -486,7 +555,8 @@ class RolloutDriver:
       for (q, slot, context, budget), (arr, row) in zip(entries, out):
         owner = self._occupy(slot, _Active(q.request, q.callback, version, slot,
                                            context_len=len(context), budget=budget,
-                                           stream=q.stream))
+                                           stream=q.stream,
+                                           stop_triggers=self._triggers(q.request.stop_strings)))
         self._resumed_prefill_tokens += len(context) - len(q.request.prompt_tokens)
         firsts.append((slot, owner, arr, row))
     return firsts
@@ -500,11 +570,15 @@ class RolloutDriver:
           f"{self.name}: request {req.request_id} is for run incarnation {req.incarnation}, this"
           f" server holds {self._incarnation}", (req.request_id,)))
       return None
+    held = self._holds.get(req.hold) if req.hold else None
+    want = req.version if req.version is not None or held is None else held[0]
     try:
-      version = self.store.acquire(req.version)
+      version = self.store.acquire(want)
     except api.VersionUnavailableError as e:
       self._safe_call(q.callback, api.VersionUnavailableError(f"{self.name}: {e}", (req.request_id,)))
       return None
+    if held is not None:
+      self._release_holds([req.hold])  # the new turn's own pin replaces the hold's
     try:
       resume, resume_lps, spans = _resume_parts(req)
       prompt = np.asarray(req.prompt_tokens, np.int32).reshape(-1)
@@ -613,6 +687,11 @@ class RolloutDriver:
     full = self._count[rows] >= self._budget[rows]
     for slot, is_eos in zip(rows[eos | full], eos[eos | full]):
       self._finish(int(slot), "eos" if is_eos else "length")
+    for slot, token in zip(rows[~(eos | full)], tokens[~(eos | full)]):
+      s = self._slots[int(slot)]
+      if s is not None and s.stop_triggers and int(token) in s.stop_triggers and (
+          self._ends_with_stop(s)):
+        self._finish(int(slot), "stop")
 
   def _tokens(self, s: _Active) -> tuple[np.ndarray, np.ndarray]:
     n = int(self._count[s.slot])
@@ -635,7 +714,14 @@ class RolloutDriver:
     self._flush(s)
     tokens, logprobs = self._tokens(s)
     self._vacate(slot)
-    self.store.release(s.version)
+    if s.request.hold:
+      # Multi-turn: the slot's pin becomes the hold's, so the version stays
+      # live while the caller runs a tool and sends the next turn.
+      self._release_holds([s.request.hold])
+      self._holds[s.request.hold] = (s.version, time.monotonic())
+      self._held_versions = tuple(sorted(v for v, _ in self._holds.values()))
+    else:
+      self.store.release(s.version)
     resume, resume_lps, spans = _resume_parts(s.request)
     n = len(tokens)
     if n:
