@@ -77,6 +77,7 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
   from jax_dora.config import validate  # pylint: disable=g-import-not-at-top
   from jax_dora.data import make_eval_prompts  # pylint: disable=g-import-not-at-top
   from jax_dora.orchestrator.evaluation import Evaluator, length_budget  # pylint: disable=g-import-not-at-top
+  from jax_dora.orchestrator.multiturn import ToolLoop  # pylint: disable=g-import-not-at-top
   from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
   from jax_dora.runtime import build_rollout_side, run_async  # pylint: disable=g-import-not-at-top
   from jax_dora.snapshots.store import SnapshotReader  # pylint: disable=g-import-not-at-top
@@ -111,7 +112,11 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
       prompts, dispatcher, rollout.scorer, tokenizer,
       lambda p: length_budget(tokenizer, cfg.rollout.max_new_tokens,
                               cfg.rollout.length_mode == "answer", p),
-      num_samples=cfg.eval.num_samples, correct_threshold=cfg.eval.correct_threshold)
+      num_samples=cfg.eval.num_samples, correct_threshold=cfg.eval.correct_threshold,
+      tool_loop=None if rollout.tools is None else ToolLoop(
+          cfg.tools.name, rollout.tools, tokenizer, max_calls=cfg.tools.max_calls,
+          max_observation_tokens=cfg.tools.max_observation_tokens,
+          stop_strings=cfg.tools.stop_list))
 
   results: list[dict] = []
 

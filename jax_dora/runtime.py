@@ -195,6 +195,25 @@ def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Devic
   return build_embedded_servers(cfg, str(snapshot_dir), devices, policy)
 
 
+def build_tool_executor(cfg: RunConfig) -> Any:
+  """The tool executor of a multi-turn run (``config.tools``), or None.
+
+  The python tool gets the per-call limits of the config and must not read
+  the run's output directory (snapshots, checkpoints, logs).
+  """
+  if not cfg.tools.enabled:
+    return None
+  from jax_dora.tools import Limits, ToolExecutor  # pylint: disable=g-import-not-at-top
+
+  t = cfg.tools
+  limits = Limits(wall_s=t.timeout_s, cpu_s=max(1, int(t.timeout_s + 0.999)),
+                  memory_bytes=t.memory_mb << 20)
+  return ToolExecutor([t.name], max_concurrency=t.max_concurrency,
+                      extra_latency_s=t.extra_latency_s,
+                      options={"python": {"limits": limits,
+                                          "protected": (os.path.abspath(cfg.output_dir),)}})
+
+
 @dataclasses.dataclass
 class RolloutSide:
   """The rollout servers' clients, the dispatcher over them and the reward scorer.
@@ -207,11 +226,14 @@ class RolloutSide:
   clients: list[Any]
   dispatcher: Dispatcher
   scorer: RewardScorer
+  tools: Any = None  # jax_dora.tools.ToolExecutor of a multi-turn run
 
   async def close(self) -> None:
     await self.dispatcher.close()  # health monitors first, then the clients they probe
     await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
     self.scorer.close()
+    if self.tools is not None:
+      self.tools.close()
 
 
 def build_rollout_side(cfg: RunConfig, snapshot_dir: epath.Path,
@@ -232,7 +254,8 @@ def build_rollout_side(cfg: RunConfig, snapshot_dir: epath.Path,
       seed=cfg.seed,
       incarnation=incarnation,
   )
-  return RolloutSide(clients, dispatcher, RewardScorer.from_config(cfg.reward))
+  return RolloutSide(clients, dispatcher, RewardScorer.from_config(cfg.reward),
+                     build_tool_executor(cfg))
 
 
 def run_async(main: Callable[[], Any]) -> Any:
@@ -384,6 +407,7 @@ class Run:
             hooks=RunHooks(metrics, checkpoint_fn=checkpoint, progress=progress,
                            after_step=after_step, samples=metrics.write_samples),
             incarnation=self.incarnation,
+            tool_executor=rollout.tools,
         )
 
         async def main():

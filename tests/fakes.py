@@ -143,12 +143,17 @@ class FakeRolloutServer:
   """
 
   def __init__(self, name: str, board: SnapshotBoard, *, slots: int = 8, tick_s: float = 2e-4,
-               load_s: float = 2e-3, seed: int = 0):
+               load_s: float = 2e-3, seed: int = 0, script: Any = None):
     self.name = name
     self.board = board
     self.slots = slots
     self.tick_s = tick_s
     self.load_s = load_s  # a snapshot load takes time, as an Orbax restore does
+    # Multi-turn: ``script(sample_id, member, text so far) -> text to generate``
+    # (CharTokenizer characters; EOS follows unless a stop string ends the turn).
+    self.script = script
+    self.holds: dict[str, int] = {}  # hold id -> version (RolloutRequest.hold)
+    self.hold_takeovers = 0
     self.seed = seed
     self.loaded: set[int] = set()
     self.newest: int | None = None
@@ -173,16 +178,31 @@ class FakeRolloutServer:
     self._retire_unused()
 
   def _retire_unused(self) -> None:
-    in_use = set(self.active.values())
+    in_use = set(self.active.values()) | set(self.holds.values())
     self.loaded = {v for v in self.loaded if v == self.newest or v in in_use}
 
   async def generate(self, req: RolloutRequest) -> RolloutResult:
-    version = self.newest if req.version is None else req.version
+    held = self.holds.get(req.hold) if req.hold else None
+    version = req.version if req.version is not None else (
+        held if held is not None else self.newest)
     if version is None or version not in self.loaded:
       raise VersionUnavailableError(f"{self.name}: version {version} is not loaded")
+    if held is not None:
+      del self.holds[req.hold]  # this turn's own pin (self.active) takes over
+      self.hold_takeovers += 1
     _, sample_id, member, _ = req.request_id.rsplit("-", 3)
-    length = tail_length(int(sample_id), int(member), 1 << 20, self.seed)
     tokens = [] if req.resume_tokens is None else [int(t) for t in req.resume_tokens]
+    if self.script is None:
+      planned = None
+      length = tail_length(int(sample_id), int(member), 1 << 20, self.seed)
+    else:
+      from jax_dora.model.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top
+
+      tok = CharTokenizer()
+      text = self.script(int(sample_id), int(member), tok.decode(tokens))
+      planned = [int(t) for t in tok.encode_ids(text)] + [EOS]
+      length = len(tokens) + len(planned)
+      turn_text = ""
     logprobs = [] if req.resume_logprobs is None else [float(x) for x in req.resume_logprobs]
     spans = list(req.resume_spans)
     start = len(tokens)
@@ -201,12 +221,22 @@ class FakeRolloutServer:
             finish = "length"
             break
           await asyncio.sleep(self.tick_s)
-          tokens.append(EOS if len(tokens) + 1 == length else TOKEN)
+          if planned is None:
+            tokens.append(EOS if len(tokens) + 1 == length else TOKEN)
+          else:
+            tokens.append(planned[len(tokens) - start])
           logprobs.append(-0.5)
           self.generated += 1
+          if planned is not None and tokens[-1] != EOS:
+            turn_text += tok.decode([tokens[-1]])
+            if any(turn_text.endswith(x) for x in req.stop_strings):
+              finish = "stop"
+              break
     finally:
       del self.active[req.request_id]
       self._aborted.discard(req.request_id)
+      if req.hold:
+        self.holds[req.hold] = version
       self._retire_unused()
     if len(tokens) > start:
       spans.append(TokenSpan(start, len(tokens), version))
@@ -222,6 +252,8 @@ class FakeRolloutServer:
 
   async def abort(self, request_ids: list[str]) -> None:
     for rid in request_ids:
+      if self.holds.pop(rid, None) is not None:
+        self._retire_unused()
       if rid in self.active:
         self.aborts += 1
         self._aborted.add(rid)

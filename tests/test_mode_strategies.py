@@ -46,10 +46,14 @@ class Outcome:
   servers: list[FakeRolloutServer]
   aborts_before_end: int  # server-side aborts of running requests before the last step
   published: list[int]
+  learner: FakeLearner | None = None  # holds every batch it trained
 
 
 def run_mode(tmp_path: pathlib.Path, mode: str, *, steps: int = 6, max_staleness: int = 2,
-             step_s: float = 0.0, pace_target: int = 4) -> Outcome:
+             step_s: float = 0.0, pace_target: int = 4, script=None, tool_executor=None,
+             **overrides) -> Outcome:
+  """Runs ``mode`` on the fakes; ``script``/``tool_executor``: multi-turn (tests of
+  issue 25); ``overrides``: ``{"tools.name": "calculator", ...}``."""
   cfg = base_config()
   cfg.mode = mode
   cfg.total_steps = steps
@@ -65,11 +69,15 @@ def run_mode(tmp_path: pathlib.Path, mode: str, *, steps: int = 6, max_staleness
   cfg.orchestrator.max_staleness = max_staleness
   cfg.rollout.max_new_tokens = 24
   cfg.pace.target_pool_groups = pace_target
+  for key, value in overrides.items():
+    block, name = key.split("__") if "__" in key else key.split(".")
+    cfg[block][name] = value
   board = SnapshotBoard()
   publisher = FakePublisher(board)
   learner = FakeLearner(step_s=step_s)
   publisher.publish(0, learner.params, {})  # what run_training publishes before the loop
-  servers = [FakeRolloutServer(f"fake{i}", board, slots=4, seed=1) for i in range(2)]
+  servers = [FakeRolloutServer(f"fake{i}", board, slots=4, seed=1, script=script)
+             for i in range(2)]
   log_path = tmp_path / f"{mode}.jsonl"
   ledger = IntegrityLedger(log_path, group_size=GROUP, max_staleness=max_staleness,
                            allow_multi_version=mode_class(mode).resumes_rollouts,
@@ -85,7 +93,8 @@ def run_mode(tmp_path: pathlib.Path, mode: str, *, steps: int = 6, max_staleness
   orch = Orchestrator(cfg, learner=learner, publisher=publisher, dispatcher=dispatcher,
                       prompts=PromptSupply(CountingPrompts()), tokenizer=CharTokenizer(),
                       scorer=FakeScorer(), ledger=ledger,
-                      hooks=RunHooks(metrics, after_step=after_step), incarnation="fake")
+                      hooks=RunHooks(metrics, after_step=after_step), incarnation="fake",
+                      tool_executor=tool_executor)
 
   async def main():
     try:
@@ -99,7 +108,7 @@ def run_mode(tmp_path: pathlib.Path, mode: str, *, steps: int = 6, max_staleness
                                      allow_multi_version=mode_class(mode).resumes_rollouts
                                      ).trained_records()
   return Outcome(summary, trained, metrics.records, servers, aborts[0] if aborts else 0,
-                 board.published)
+                 board.published, learner)
 
 
 def versions(record: dict) -> set[int]:

@@ -15,6 +15,7 @@ from jax_dora.config.orchestrator import OrchestratorConfig
 from jax_dora.config.pace import PaceConfig
 from jax_dora.config.reward import RewardConfig
 from jax_dora.config.rollout import RolloutConfig
+from jax_dora.config.tools import ToolsConfig
 from jax_dora.orchestrator.modes import MODES
 
 ROLES = ("all", "learner", "rollout")
@@ -57,6 +58,7 @@ class RunConfig(ConfigBlock):
   orchestrator: OrchestratorConfig = dataclasses.field(default_factory=OrchestratorConfig)
   pace: PaceConfig = dataclasses.field(default_factory=PaceConfig)
   reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+  tools: ToolsConfig = dataclasses.field(default_factory=ToolsConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)

@@ -678,6 +678,18 @@ class Dispatcher:
       self._active.pop(rid, None)
 
 
+  async def release_hold(self, name: str, hold: str) -> None:
+    """Releases a multi-turn version hold on server ``name`` (best effort: a
+    server that is gone took its holds with it, and holds also time out)."""
+    s = next((x for x in self._servers if x.client.name == name), None)
+    if s is None or s.state not in (UP, SUSPECT):
+      return
+    try:
+      await self._guarded(s, s.client.abort([hold]))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      log.debug("releasing hold %s on %s failed: %s", hold, name, e)
+
+
 def to_trajectory(
     prompt: Prompt,
     prompt_tokens: np.ndarray,

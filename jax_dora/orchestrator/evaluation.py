@@ -10,6 +10,7 @@ import numpy as np
 
 from jax_dora.metrics.passk import sample_metrics
 from jax_dora.orchestrator.dispatch import EVAL_TAG
+from jax_dora.orchestrator.multiturn import generate_turns
 from jax_dora.rewards.extract import hash_answer, last_boxed
 from jax_dora.types import Prompt
 
@@ -55,6 +56,7 @@ class Evaluator:
       *,
       num_samples: int = 1,
       correct_threshold: float = 1.0,
+      tool_loop: Any = None,
   ):
     self.prompts = list(prompts)
     self._dispatcher = dispatcher
@@ -63,6 +65,8 @@ class Evaluator:
     self._length_budget = length_budget
     self.num_samples = int(num_samples)
     self.correct_threshold = float(correct_threshold)
+    # Multi-turn eval (the same tool as training); None = single-turn.
+    self._tools = tool_loop
     self.last_stderr: float | None = None
     # eval/pass@1, eval/pass@k, eval/maj@k, eval/reward (+ _stderr) of the last evaluation.
     self.last_metrics: dict[str, float | None] = {}
@@ -83,9 +87,10 @@ class Evaluator:
       budget, ignore_eos = self._length_budget(p)
       tokens = np.asarray(self._tokenizer.encode_prompt(p.text), np.int32)
       while True:
-        res = await self._dispatcher.run(p, tokens, member, budget, tag=EVAL_TAG,
-                                         ignore_eos=ignore_eos)
-        if res.finish_reason != "aborted":
+        res = await generate_turns(self._dispatcher, self._tools, p, tokens, member, budget,
+                                   tag=EVAL_TAG, ignore_eos=ignore_eos,
+                                   hold=f"{EVAL_TAG}-{p.sample_id}-{member}-{self.reruns}")
+        if res is not None:
           break
         self.reruns += 1
       finished.append((p.sample_id, res.finish_reason, len(res.completion_tokens)))

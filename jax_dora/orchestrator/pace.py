@@ -95,17 +95,17 @@ def reference_versions_per_token(groups: Sequence[Group], config: PaceConfig) ->
   tokens = 0
   for g in groups:
     for t in g:
-      gen += staleness_lib.generation_staleness(t)
-      tokens += t.num_completion_tokens
+      gen += staleness_lib.generation_staleness(t) - staleness_lib.tool_wait_staleness(t)
+      tokens += t.num_sampled_tokens
   return gen / tokens if tokens else 0.0
 
 
 def unexplained_generation_staleness(
     traj: Trajectory, versions_per_token: float, slack: float
 ) -> float:
-  """Generation staleness beyond what the trajectory's length explains."""
-  g = staleness_lib.generation_staleness(traj)
-  return max(0.0, g - versions_per_token * traj.num_completion_tokens - slack)
+  """Generation staleness beyond what the trajectory's length (and its tool calls) explain."""
+  g = staleness_lib.generation_staleness(traj) - staleness_lib.tool_wait_staleness(traj)
+  return max(0.0, g - versions_per_token * traj.num_sampled_tokens - slack)
 
 
 def score_group(

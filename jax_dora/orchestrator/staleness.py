@@ -20,6 +20,17 @@ Trajectories resumed after an interruption carry several spans. Their
 generation staleness is token-weighted (prefix-aware): each span's tokens count
 the versions from that span's version to the finish, so a long prefix sampled
 long ago weighs more than a short suffix sampled just now.
+
+Multi-turn trajectories (tool calls) are the same sum over their *sampled*
+spans (observations are context, no version sampled them), so the versions
+published while a tool ran count for every token sampled before the call:
+a turn's tokens wait through every later tool call. That part is
+:func:`tool_wait_staleness`: ``sum_c dv_c * L_before_c / L`` over calls ``c``
+(``dv_c`` versions published during the call, ``L_before_c`` sampled tokens
+before it, ``L`` all sampled tokens). It is wall time the policy spent in the
+environment, not in generation, so PACE explains it away like the length
+term (``pace.unexplained_generation_staleness``): a trajectory is not
+rejected for having called a slow tool.
 """
 
 from __future__ import annotations
@@ -117,3 +128,16 @@ def group_waiting_staleness(group: Sequence[Trajectory], current_version: int) -
 def group_behaviour_staleness(group: Sequence[Trajectory], learner_version: int) -> int:
   """Worst member behaviour staleness: a group is trainable only if all members are."""
   return max(behaviour_staleness(t, learner_version) for t in group)
+
+
+def tool_wait_staleness(traj: Trajectory) -> float:
+  """Token-weighted versions published while the trajectory's tools ran (see module doc)."""
+  sampled = traj.num_sampled_tokens
+  if not traj.tool_calls or sampled <= 0:
+    return 0.0
+  mask = traj.sampled_mask()
+  total = 0.0
+  for call in traj.tool_calls:
+    waited = max(0, int(call.get("version_end", 0)) - int(call.get("version_start", 0)))
+    total += waited * int(mask[:int(call["start"])].sum())
+  return total / sampled

@@ -5,4 +5,4 @@ executor can fill the registry without importing its own package: no import
 cycle. A new built-in tool is one module plus its line here.
 """
 
-from jax_dora.tools import python_exec  # noqa: F401  pylint: disable=unused-import
+from jax_dora.tools import calculator, python_exec  # noqa: F401  pylint: disable=unused-import

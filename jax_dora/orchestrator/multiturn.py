@@ -1,0 +1,220 @@
+"""Multi-turn rollouts: a turn ends at a tool call, the tool runs, its observation is appended.
+
+**Token in, token out.** A trajectory is only ever extended: the ids the
+engine sampled stay as they are, and the observation's ids (its fixed
+wrapper text, tokenised alone) are appended after them. The conversation is
+never decoded and re-tokenised, which frameworks that re-render a chat
+template between turns found to drift the ids away from what was sampled
+(and training then fails to converge). The decoded text of a turn is used
+only to *find* the call.
+
+A :class:`CallFormat` says how a tool's calls look in text: the stop strings
+that end a turn, how to cut the call out of the turn, and how to wrap the
+observation. Every stop gets an observation, so the model always sees why
+generation resumed: the tool's output, its error, "[tool call limit
+reached]" past ``tools.max_calls``, or "[error: ...]" for a stop that holds
+no parsable call. Observations longer than ``tools.max_observation_tokens``
+are cut, and say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from jax_dora.orchestrator.dispatch import to_trajectory
+from jax_dora.registry import Registry
+from jax_dora.rollout.api import VersionUnavailableError
+from jax_dora.tools.base import ToolCall, ToolResult
+from jax_dora.types import Trajectory
+
+
+class CallFormat(Protocol):
+  """How one tool's calls and observations look in the model's text."""
+
+  stop_strings: tuple[str, ...]
+
+  def parse(self, turn_text: str) -> str | None:
+    """The call's arguments in the turn that just ended at a stop string (None: no call)."""
+
+  def wrap(self, observation: str) -> str:
+    """The text appended after the call (what the model reads)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CalculatorFormat:
+  """``4821*937=`` -> ``[4517277]``: the expression right before ``=``."""
+
+  stop_strings: tuple[str, ...] = ("=",)
+  _expression = re.compile(r"([0-9+\-*() ]+)=$")
+
+  def parse(self, turn_text: str) -> str | None:
+    m = self._expression.search(turn_text)
+    return m.group(1) if m and any(c.isdigit() for c in m.group(1)) else None
+
+  def wrap(self, observation: str) -> str:
+    return f"[{observation}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonBlockFormat:
+  """The usual convention of tool-integrated reasoning on HF models.
+
+  The model writes a fenced ``python`` block; the turn ends at its closing
+  fence; the system appends a fenced ``output`` block.
+  """
+
+  stop_strings: tuple[str, ...] = ("```\n",)
+
+  def parse(self, turn_text: str) -> str | None:
+    start = turn_text.rfind("```python\n")
+    if start < 0:
+      return None
+    body = turn_text[start + len("```python\n"):]
+    end = body.rfind("```")
+    return body[:end] if end >= 0 else None
+
+  def wrap(self, observation: str) -> str:
+    return f"```output\n{observation}\n```\n"
+
+
+FORMATS: Registry[CallFormat] = Registry("tool call format")
+FORMATS.register("calculator", CalculatorFormat())
+FORMATS.register("python", PythonBlockFormat())
+
+
+class ToolLoop:
+  """The tool side of a multi-turn rollout, shared by training and held-out eval.
+
+  Args:
+    tool: Registered tool name (the executor must have it).
+    executor: ``call(ToolCall) -> ToolResult`` (``jax_dora.tools.ToolExecutor``).
+    tokenizer: Encodes observations (alone, without BOS).
+    max_calls: Calls per trajectory.
+    max_observation_tokens: Observation ids appended per call at most.
+    stop_strings: Override the format's stop strings (``tools.stop_strings``).
+  """
+
+  def __init__(self, tool: str, executor: Any, tokenizer: Any, *, max_calls: int,
+               max_observation_tokens: int, stop_strings: tuple[str, ...] = ()):
+    self.tool = tool
+    self.format = FORMATS.get(tool)
+    self.executor = executor
+    self.tokenizer = tokenizer
+    self.max_calls = max_calls
+    self.max_observation_tokens = max_observation_tokens
+    self.stop_strings = tuple(stop_strings) or self.format.stop_strings
+
+  def _encode(self, text: str) -> np.ndarray:
+    """``text``'s ids; characters a closed vocabulary lacks (the tiny model's) become ``?``."""
+    try:
+      return np.asarray(self.tokenizer.encode_ids(text), np.int32).reshape(-1)
+    except ValueError:
+      def ok(c: str) -> bool:
+        try:
+          self.tokenizer.encode_ids(c)
+          return True
+        except ValueError:
+          return False
+      safe = "".join(c if ok(c) else "?" for c in text)
+      return np.asarray(self.tokenizer.encode_ids(safe), np.int32).reshape(-1)
+
+  def observation_ids(self, observation: str) -> tuple[np.ndarray, bool]:
+    """The wrapped observation's ids, cut to the budget (the cut says so)."""
+    ids = self._encode(self.format.wrap(observation))
+    if len(ids) <= self.max_observation_tokens:
+      return ids, False
+    note = self._encode(self.format.wrap("[observation truncated]"))
+    if len(note) >= self.max_observation_tokens:
+      return ids[:self.max_observation_tokens], True
+    keep = self.max_observation_tokens - len(note)
+    cut = self._encode(self.format.wrap(observation[:max(0, keep)] + " [observation truncated]"))
+    return cut[:self.max_observation_tokens], True
+
+  async def respond(self, traj: Trajectory, turn_start: int, call_id: str, *, room: int,
+                    version: Any = None) -> dict[str, Any]:
+    """Runs the call the turn ``[turn_start:]`` of ``traj`` ended with and appends the
+    observation to ``traj`` (completion, zero log-probs, a context span, a record).
+
+    ``room``: completion tokens left in the budget (the observation is cut to
+    it). ``version()``: the learner's newest version, read before and after
+    the call (``version_start``/``version_end``: how many versions the call
+    spanned, for PACE's tool-wait term).
+    """
+    v0 = version() if version is not None else 0
+    text = self.tokenizer.decode(np.asarray(traj.completion_tokens[turn_start:]).tolist())
+    arguments = self.format.parse(text)
+    if len(traj.tool_calls) >= self.max_calls:
+      result = ToolResult("tool call limit reached", "error")
+    elif arguments is None:
+      result = ToolResult("error: no tool call found before the stop marker", "error")
+    else:
+      result = await self.executor.call(ToolCall(self.tool, arguments, call_id))
+    ids, cut = self.observation_ids(result.observation)
+    if len(ids) > room:
+      ids, cut = ids[:room], True
+    start = traj.num_completion_tokens
+    traj.completion_tokens = np.concatenate([traj.completion_tokens, ids]).astype(np.int32)
+    traj.behaviour_logprobs = np.concatenate(
+        [traj.behaviour_logprobs, np.zeros((len(ids),), np.float32)])
+    traj.context_spans = [*traj.context_spans, (start, start + len(ids))]
+    record = {"turn": len(traj.tool_calls), "tool": self.tool, "call": arguments,
+              "observation": result.observation, "status": result.status,
+              "exit_code": result.exit_code, "wall_s": round(result.wall_s, 6),
+              "truncated": bool(result.truncated or cut), "start": start,
+              "end": start + len(ids), "ids": ids.tolist(), "version_start": v0,
+              "version_end": version() if version is not None else 0}
+    traj.tool_calls = [*traj.tool_calls, record]
+    return record
+
+
+async def generate_turns(dispatcher: Any, tools: ToolLoop | None, prompt: Any,
+                         prompt_tokens: np.ndarray, member: int, budget: int, *, tag: str,
+                         ignore_eos: bool, hold: str = "") -> Trajectory | None:
+  """One trajectory, all its turns, for a caller without interruptions (held-out eval).
+
+  Returns None when it cannot be finished as one consistent sample (aborted,
+  or the server holding its version was lost between turns): the caller runs
+  it again from scratch. The training path (``Orchestrator.rollout_member``)
+  has its own loop, which also resumes interrupted rollouts and audits.
+  """
+  partial: Trajectory | None = None
+  server: str | None = None
+  turn_start = 0
+  try:
+    while True:
+      try:
+        res = await dispatcher.run(prompt, prompt_tokens, member, budget, tag=tag,
+                                   ignore_eos=ignore_eos, resume=partial,
+                                   stop_strings=tools.stop_strings if tools else (),
+                                   hold=hold if tools else "", server=server)
+      except VersionUnavailableError:
+        if server is None:
+          raise
+        return None
+      if res.finish_reason == "aborted":
+        return None
+      traj = to_trajectory(prompt, prompt_tokens, member, res, time.time())
+      traj.incarnation = res.incarnation
+      if partial is not None:
+        traj.context_spans, traj.tool_calls = partial.context_spans, partial.tool_calls
+      if tools is None or res.finish_reason != "stop":
+        return traj
+      room = budget - traj.num_completion_tokens
+      if room <= 0:
+        traj.finish_reason = "length"
+        return traj
+      await tools.respond(traj, turn_start, f"{tag}-{prompt.sample_id}-{member}", room=room)
+      turn_start, partial = traj.num_completion_tokens, traj
+      if hold:
+        server = res.server
+      if traj.num_completion_tokens >= budget:
+        traj.finish_reason = "length"
+        return traj
+  finally:
+    if server is not None:
+      await dispatcher.release_hold(server, hold)

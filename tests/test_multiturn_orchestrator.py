@@ -1,0 +1,105 @@
+"""Multi-turn trajectories through the real orchestrator, on fakes, in milliseconds.
+
+The fake rollout servers follow a script: the first turn writes a product and
+stops at the calculator's marker (``"12*34="``); after the observation
+(``"[408]"``) the second turn writes an answer. The real orchestrator,
+dispatcher, ledger and calculator tool run the turns. Checked against the
+definition of each mode: in ``dora`` every token of a trajectory is sampled
+by one version, also when versions are published while the tool runs (the
+version is held on its server and the next turn goes there); in
+``async_unfiltered`` turns may move to newer versions. The learner's row is
+byte for byte the sampled ids plus the observation ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_dora.model.tokenizer import CharTokenizer
+from jax_dora.orchestrator import staleness as staleness_lib
+from jax_dora.tools import ToolExecutor
+
+from test_mode_strategies import GROUP, GROUPS_PER_STEP, run_mode, staleness, versions
+
+TOK = CharTokenizer()
+
+
+def calculator_script(sample_id: int, member: int, so_far: str) -> str:
+  a, b = 10 + sample_id % 50, 2 + member
+  if "[" not in so_far:
+    return f"{a}*{b}="  # first turn: the call
+  return f"{a * b}"  # after the observation: the answer (EOS follows)
+
+
+def _run(tmp_path, mode, **kw):
+  with ToolExecutor(["calculator"], max_concurrency=4, extra_latency_s=0.01) as tools:
+    out = run_mode(tmp_path, mode, step_s=0.01, script=calculator_script, tool_executor=tools,
+                   **{"tools.name": "calculator"}, **kw)
+    return out, tools.metrics()
+
+
+@pytest.mark.parametrize("mode", ["dora", "dora_pace", "sync"])
+def test_each_turn_stays_on_the_trajectorys_version(tmp_path, mode):
+  out, metrics = _run(tmp_path, mode)
+  assert out.summary["integrity_violations"] == []
+  assert len(out.trained) == 6 * GROUP * GROUPS_PER_STEP
+  for r in out.trained:
+    assert len(versions(r)) == 1, r["spans"]  # both turns: one version
+    assert staleness(r) <= 2
+    (call,) = r["tool_calls"]
+    a, b = 10 + r["sample_id"] % 50, 2 + r["member"]
+    assert call["call"] == f"{a}*{b}" and call["observation"] == str(a * b)
+    assert call["status"] == "ok"
+    # Sampled "a*b=", then the observation "[a*b]" (context), then the answer.
+    first = len(f"{a}*{b}=")
+    assert r["context"] == [[first, first + len(str(a * b)) + 2]]
+    assert call["ids"] == TOK.encode_ids(f"[{a * b}]").tolist()
+  assert metrics["tools/calls"] >= len(out.trained) and metrics["tools/errors"] == 0
+  # Every hold was taken over by the next turn and released at the end.
+  assert sum(s.hold_takeovers for s in out.servers) >= len(out.trained)
+  assert all(not s.holds for s in out.servers)
+  assert out.records[-1]["tools/calls_per_trajectory"] == 1.0
+
+
+def test_async_unfiltered_turns_may_move_to_newer_versions(tmp_path):
+  out, _ = _run(tmp_path, "async_unfiltered")
+  assert out.summary["integrity_violations"] == []
+  assert all(not s.holds and s.hold_takeovers == 0 for s in out.servers)  # no holds there
+  assert all(r["tool_calls"][0]["observation"] for r in out.trained)
+
+
+def test_the_learner_row_is_the_sampled_ids_plus_the_observation_ids(tmp_path):
+  """Token in, token out: each trained row is the prompt, the sampled ids of both turns
+  and the observation's ids between them, exactly; only the sampled ids are trained."""
+  out, _ = _run(tmp_path, "dora", steps=2)
+  expected = {}
+  for r in out.trained:
+    a, b = 10 + r["sample_id"] % 50, 2 + r["member"]
+    call, obs, answer = (TOK.encode_ids(x) for x in (f"{a}*{b}=", f"[{a * b}]", str(a * b)))
+    row = np.concatenate([TOK.encode_prompt(f"q{r['sample_id']}"), call, obs, answer, [2]])
+    trained = np.concatenate([np.ones(len(call)), np.zeros(len(obs)), np.ones(len(answer) + 1)])
+    expected[tuple(row.tolist())] = trained
+  seen = 0
+  for batch in out.learner.batches:
+    for i in range(len(batch["inputs"])):
+      tokens = np.concatenate([batch["inputs"][i][:1], batch["targets"][i]])
+      n = int(np.max(np.flatnonzero(tokens))) + 1  # right padding is 0 (PAD)
+      key = tuple(tokens[:n].tolist())
+      assert key in expected, TOK.decode(tokens[:n])
+      p = n - len(expected[key])  # prompt length: completion token j is target p - 1 + j
+      np.testing.assert_array_equal(batch["mask"][i][p - 1:n - 1], expected[key])
+      seen += 1
+  assert seen == len(out.trained) == 2 * GROUP * GROUPS_PER_STEP
+
+
+def test_tool_wait_counts_for_the_tokens_sampled_before_the_call():
+  from _traj import make_traj  # pylint: disable=g-import-not-at-top
+
+  t = make_traj(1, 0, spans=[(0, 4, 3), (6, 10, 3)])
+  t.context_spans = [(4, 6)]
+  t.completion_tokens = np.full((10,), 7, np.int32)
+  t.behaviour_logprobs = np.zeros((10,), np.float32)
+  t.tool_calls = [{"start": 4, "version_start": 3, "version_end": 5}]
+  # 4 of 8 sampled tokens came before a call during which 2 versions were published.
+  assert staleness_lib.tool_wait_staleness(t) == pytest.approx(2 * 4 / 8)
