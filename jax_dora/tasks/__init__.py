@@ -25,6 +25,7 @@ from jax_dora.tasks.base import (
     task_names,
 )
 from jax_dora.tasks.synthetic import AddTask, RepeatTask, ReverseTask, SortTask
+from jax_dora.tasks.mul import MulTask
 from jax_dora.tasks.padded_repeat import PaddedRepeatTask
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_MAX_ANSWER_LEN",
     "DEFAULT_MAX_PROMPT_LEN",
     "AddTask",
+    "MulTask",
     "RepeatTask",
     "ReverseTask",
     "SortTask",

@@ -117,8 +117,8 @@ def _print_exception(exc: BaseException) -> None:
 
 
 def main(argv: list[str]) -> int:
-  cfg = json.loads(argv[1])
-  workdir = cfg["workdir"]
+  spec = json.loads(argv[1])
+  workdir = spec["workdir"]
   os.chdir(workdir)
   with open(MAIN, encoding="utf-8", errors="replace") as f:
     source = f.read()
@@ -127,9 +127,9 @@ def main(argv: list[str]) -> int:
   # Line-buffered, so what was printed before a timeout's SIGKILL is seen.
   for stream in (sys.stdout, sys.stderr):
     stream.reconfigure(encoding="utf-8", errors="backslashreplace", line_buffering=True)
-  _set_limits(cfg["limits"])
-  if cfg.get("guard"):
-    _install_guard(workdir, cfg.get("protected", []))
+  _set_limits(spec["limits"])
+  if spec.get("guard"):
+    _install_guard(workdir, spec.get("protected", []))
   try:
     code = compile(source, MAIN, "exec")
   except (SyntaxError, ValueError) as e:
