@@ -103,3 +103,20 @@ def test_tool_wait_counts_for_the_tokens_sampled_before_the_call():
   t.tool_calls = [{"start": 4, "version_start": 3, "version_end": 5}]
   # 4 of 8 sampled tokens came before a call during which 2 versions were published.
   assert staleness_lib.tool_wait_staleness(t) == pytest.approx(2 * 4 / 8)
+
+
+def test_the_audit_reruns_tool_calls_and_catches_an_altered_observation(tmp_path):
+  import asyncio  # pylint: disable=g-import-not-at-top
+
+  from jax_dora.orchestrator.multiturn import ToolLoop, recheck_tool_calls  # pylint: disable=g-import-not-at-top
+
+  out, _ = _run(tmp_path, "dora", steps=2)
+  assert out.summary["tool_audit"]["rechecked"] == 16
+  with ToolExecutor(["calculator"]) as tools:
+    loop = ToolLoop("calculator", tools, TOK, max_calls=4, max_observation_tokens=64)
+    clean, counts = asyncio.run(recheck_tool_calls(out.trained, loop, sample=1000))
+    assert clean == [] and counts["rechecked"] == len(out.trained)
+    altered = [dict(r) for r in out.trained]
+    altered[3] = dict(altered[3], tool_calls=[dict(altered[3]["tool_calls"][0], observation="7")])
+    found, _ = asyncio.run(recheck_tool_calls(altered, loop, sample=1000))
+    assert len(found) == 1 and "recorded observation '7'" in found[0]

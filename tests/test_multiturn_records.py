@@ -24,7 +24,8 @@ def _two_turns(context=((3, 5),), spans=((0, 3, 4), (5, 7, 4))) -> Trajectory:
       behaviour_logprobs=np.array([-1.0, -1.1, -1.2, 0.0, 0.0, -1.3, -1.4], np.float32),
       spans=[TokenSpan(*s) for s in spans], finish_reason="eos", reward=1.0,
       start_version=4, finish_version=4, context_spans=list(context),
-      tool_calls=[{"call": "2*3=", "observation": "[6]", "status": "ok"}])
+      tool_calls=[{"turn": 0, "tool": "calculator", "call": "2*3", "observation": "6",
+                   "status": "ok", "start": 3, "end": 5, "ids": [40, 41]}])
 
 
 def test_observations_are_context_in_the_learner_row():
@@ -43,7 +44,10 @@ def test_observations_are_context_in_the_learner_row():
 
 def test_the_audit_requires_spans_and_context_to_tile_the_completion(tmp_path):
   ok, bad = _two_turns(), _two_turns(context=((3, 6),))  # overlaps the second turn's span
-  for traj, violations in ((ok, 0), (bad, 1)):
+  dropped = _two_turns()
+  dropped.behaviour_logprobs = dropped.behaviour_logprobs.copy()
+  dropped.behaviour_logprobs[5] = np.nan  # a sampled token lost its behaviour log-prob
+  for traj, violations in ((ok, 0), (bad, 2), (dropped, 1)):
     ledger = IntegrityLedger(tmp_path / f"{violations}.jsonl", group_size=1, max_staleness=2)
     ledger.issued(1, 0, 4)
     ledger.finished(traj)
@@ -51,11 +55,13 @@ def test_the_audit_requires_spans_and_context_to_tile_the_completion(tmp_path):
     ledger.close()
     found = ledger.check()
     assert len(found) == violations, found
-    if violations:
-      assert "do not tile its 7 tokens" in found[0]
+    if traj is bad:
+      assert "do not tile its 7 tokens" in found[0] and "is not one of its context spans" in found[1]
+    if traj is dropped:
+      assert "1 sampled token(s) without a behaviour log-prob" in found[0]
     again = IntegrityLedger.from_log(tmp_path / f"{violations}.jsonl", group_size=1,
                                      max_staleness=2)
     assert len(again.check()) == violations
     trained = again.trained_records()[0]
-    assert trained["context"] == [[3, 5]] if not violations else [[3, 6]]
-    assert trained["tool_calls"][0]["observation"] == "[6]"
+    assert trained["context"] == ([[3, 6]] if traj is bad else [[3, 5]])
+    assert trained["tool_calls"][0]["observation"] == "6"

@@ -43,6 +43,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from jax_dora.metrics.jsonl import (REMOTE_FLUSH_INTERVAL_S, JsonlAppender, PathLike, as_path,
                                     read_jsonl)
 from jax_dora.types import Trajectory
@@ -316,6 +318,11 @@ class IntegrityLedger:
           "event": "trained", "sample_id": int(t.sample_id), "member": int(t.member),
           "spans": _spans_json(t), "num_tokens": t.num_completion_tokens,
           **({"context": _context_json(t), "tool_calls": t.tool_calls} if t.tool_calls else {}),
+          "sampled_tokens": t.num_sampled_tokens,
+          # Sampled tokens that carry a behaviour log-prob (a finite one):
+          # anything less means the learner's importance ratio lost its
+          # denominator for some token.
+          "sampled_logprobs": int(np.isfinite(t.behaviour_logprobs[t.sampled_mask()]).sum()),
           "learner_version": int(learner_version), "step": int(step),
           "start_version": int(t.start_version), "finish_version": int(t.finish_version),
           "reward": None if t.reward is None else float(t.reward),
@@ -387,6 +394,15 @@ class IntegrityLedger:
                      f" (learner version {lv}, spans {r['spans']})")
         if max(versions) > lv:
           out.append(f"{key}: span from version {max(versions)} newer than learner version {lv}")
+        if "sampled_logprobs" in r and r["sampled_logprobs"] != r["sampled_tokens"]:
+          out.append(f"{key}: {r['sampled_tokens'] - r['sampled_logprobs']} sampled token(s)"
+                     " without a behaviour log-prob")
+        for call in r.get("tool_calls", ()):
+          span = [int(call["start"]), int(call["end"])]
+          if span not in [list(c) for c in r.get("context", ())] or (
+              len(call.get("ids", ())) != span[1] - span[0]):
+            out.append(f"{key}: tool call {call.get('turn')} at {span} is not one of its"
+                       f" context spans {r.get('context')} (or its ids do not fill it)")
       want = set(range(self.group_size))
       for sid, recs in sorted(by_sample.items()):
         members = {int(r["member"]) for r in recs}

@@ -37,6 +37,7 @@ class CallFormat(Protocol):
   """How one tool's calls and observations look in the model's text."""
 
   stop_strings: tuple[str, ...]
+  deterministic: bool  # whether re-running a call must reproduce its observation
 
   def parse(self, turn_text: str) -> str | None:
     """The call's arguments in the turn that just ended at a stop string (None: no call)."""
@@ -50,6 +51,7 @@ class CalculatorFormat:
   """``4821*937=`` -> ``[4517277]``: the expression right before ``=``."""
 
   stop_strings: tuple[str, ...] = ("=",)
+  deterministic: bool = True  # a call re-run gives the same observation (the audit relies on it)
   _expression = re.compile(r"([0-9+\-*() ]+)=$")
 
   def parse(self, turn_text: str) -> str | None:
@@ -69,6 +71,8 @@ class PythonBlockFormat:
   """
 
   stop_strings: tuple[str, ...] = ("```\n",)
+  # Model-written code may read the clock or a random seed: a re-run may differ.
+  deterministic: bool = False
 
   def parse(self, turn_text: str) -> str | None:
     start = turn_text.rfind("```python\n")
@@ -218,3 +222,36 @@ async def generate_turns(dispatcher: Any, tools: ToolLoop | None, prompt: Any,
   finally:
     if server is not None:
       await dispatcher.release_hold(server, hold)
+
+
+async def recheck_tool_calls(records: list[dict[str, Any]], tools: ToolLoop, *, sample: int,
+                             seed: int = 0) -> tuple[list[str], dict[str, int]]:
+  """Re-runs a sample of the tool calls in trained records (the audit's tool check).
+
+  Each re-run must give the recorded observation (for a deterministic tool;
+  others count as ``irreproducible``, since model-written code may read the
+  clock), and the recorded ids must be that observation's wrapped ids, as
+  the learner trained them. Returns ``(violations, counts)``.
+  """
+  import random  # pylint: disable=g-import-not-at-top
+
+  calls = [(r, c) for r in records for c in r.get("tool_calls", ())
+           if c.get("call") is not None and c.get("tool") == tools.tool]
+  picked = random.Random(seed).sample(calls, min(sample, len(calls)))
+  out: list[str] = []
+  counts = {"rechecked": 0, "irreproducible": 0}
+  for r, c in picked:
+    key = (r["sample_id"], r["member"])
+    result = await tools.executor.call(ToolCall(tools.tool, c["call"], f"audit-{key}"))
+    counts["rechecked"] += 1
+    if result.observation != c["observation"]:
+      if tools.format.deterministic:
+        out.append(f"{key}: tool call {c['turn']} ({c['call']!r}) recorded observation"
+                   f" {c['observation']!r}, the tool returns {result.observation!r}")
+      else:
+        counts["irreproducible"] += 1
+      continue
+    ids, _ = tools.observation_ids(c["observation"])
+    if ids[:len(c["ids"])].tolist() != list(c["ids"]):
+      out.append(f"{key}: tool call {c['turn']}: the trained ids are not its wrapped observation")
+  return out, counts

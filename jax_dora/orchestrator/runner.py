@@ -44,12 +44,15 @@ from jax_dora.orchestrator.host import PublisherLike, ScorerLike, TrainerLike
 from jax_dora.orchestrator.pace import PaceController
 from jax_dora.orchestrator.pool import TrajectoryPool
 from jax_dora.orchestrator.publishing import BackgroundPublisher
-from jax_dora.orchestrator.multiturn import ToolLoop
+from jax_dora.orchestrator.multiturn import ToolLoop, recheck_tool_calls
 from jax_dora.orchestrator.telemetry import RolloutTelemetry, log_line
 from jax_dora.rollout.api import VersionUnavailableError
 from jax_dora.types import Prompt, Trajectory
 
 log = logging.getLogger(__name__)
+
+# Tool calls of the trained samples the end-of-run audit runs again.
+TOOL_AUDIT_SAMPLE = 16
 
 
 @dataclasses.dataclass
@@ -112,6 +115,7 @@ class Orchestrator:
     # Multi-turn (tools.name): the calls go to ``tool_executor``
     # (jax_dora.tools.ToolExecutor); None = single-turn.
     self.tool_executor = tool_executor
+    self.tool_audit: dict[str, int] = {}
     self.tool_loop = (ToolLoop(cfg.tools.name, tool_executor, tokenizer,
                                max_calls=cfg.tools.max_calls,
                                max_observation_tokens=cfg.tools.max_observation_tokens,
@@ -626,13 +630,26 @@ class Orchestrator:
         "final_eval": dict(self.evaluator.last_metrics) if final_eval is not None else {},
         "wasted_rollout_tokens": self._wasted_tokens,
         "generated_tokens": self._generated_tokens,
-        "integrity_violations": self.ledger.check(),
+        "integrity_violations": self.ledger.check() + await self._recheck_tools(),
         # Groups that left without training, by reason (stale, pace_*, zero_variance).
         "rejected_groups": {dynamic_sampling.REASON: 0, "stale": 0, **self.ledger.reasons()},
     }
+    if self.tool_loop is not None:
+      summary["tool_audit"] = self.tool_audit
+      summary["tools"] = self.tool_executor.metrics()
     if self.hooks.checkpoint_fn is not None:
       await self._checkpoint(self.learner.step)
     return summary
+
+  async def _recheck_tools(self) -> list[str]:
+    """The audit's tool check: re-run a sample of the trained tool calls (multi-turn runs)."""
+    if self.tool_loop is None:
+      return []
+    violations, counts = await recheck_tool_calls(
+        self.ledger.trained_records(), self.tool_loop, sample=TOOL_AUDIT_SAMPLE,
+        seed=self.cfg.seed)
+    self.tool_audit = counts
+    return violations
 
   async def _shutdown(self) -> None:
     self.request_stop()
