@@ -16,6 +16,10 @@ the next).
   tokens and answers up to 2k tokens, published often: the regime where
   AReaL-style interruption (``async_unfiltered``) re-prefills long prefixes
   after every publish and DORA does not.
+* ``tools`` (``configs/tiny_tools.py``): multi-turn trajectories that call a
+  calculator mid-generation (each call 0.1 s of environment latency by
+  default); sync, async_unfiltered, dora and dora_pace; the table adds tool
+  calls per trajectory.
 
 The table reports, measured in this one run:
 
@@ -72,7 +76,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jax_dora.metrics.reward_curves import mean_se  # noqa: E402  pylint: disable=wrong-import-position
-WORKLOADS = {"long_tail": "configs/long_tail.py", "long_context": "configs/long_context.py"}
+WORKLOADS = {"long_tail": "configs/long_tail.py", "long_context": "configs/long_context.py",
+             "tools": "configs/tiny_tools.py"}
+# The multi-turn workload (issue 25): its modes, and a tool latency that
+# models a slow environment (each call adds it to its trajectory's wall time).
+TOOLS_MODES = ("sync", "async_unfiltered", "dora", "dora_pace")
+TOOLS_DEFAULT_OVERRIDES = ("--config.tools.extra_latency_s=0.1",)
 CONFIG = WORKLOADS["long_tail"]  # set by --workload
 ALL_MODES = ("sync", "one_step_off", "partial_rollout", "async_unfiltered", "dora", "dora_pace")
 
@@ -198,6 +207,9 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   summary["reprefill_tokens"] = sum(r.get("reprefill_tokens") or 0 for r in recs)
   summary["prefill_tokens"] = sum(r.get("prefill_tokens") or 0 for r in recs)
   summary["prefill_tokens_computed"] = sum(r.get("prefill_tokens_computed") or 0 for r in recs)
+  per_traj = [r["tools/calls_per_trajectory"] for r in recs if "tools/calls_per_trajectory" in r]
+  if per_traj:
+    summary["tool_calls_per_trajectory"] = sum(per_traj) / len(per_traj)
   return summary
 
 
@@ -243,6 +255,9 @@ def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str
       row["final_eval_reward_stderr"] = se if len(evals) > 1 else sums[0].get(
           "final_eval_reward_stderr")
     row["integrity_violations"] = [v for s in sums for v in s.get("integrity_violations", [])]
+    calls = [s["tool_calls_per_trajectory"] for s in sums if "tool_calls_per_trajectory" in s]
+    if calls:
+      row["tool_calls_per_trajectory"] = statistics.mean(calls)
     rows[mode] = row
   return rows
 
@@ -286,12 +301,14 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=3,
                   help="rounds; every mode runs once per round, in a shuffled order, with"
                        " config.seed = round index")
-  ap.add_argument("--modes", default=",".join(ALL_MODES))
+  ap.add_argument("--modes", default="", help="comma-separated (default: all six; the tools"
+                  " workload: sync, async_unfiltered, dora, dora_pace)")
   ap.add_argument("--placement", choices=("split", "shared"), default="split",
                   help="split: learner and rollout on disjoint cores (default); shared: one process")
   ap.add_argument("--quick", action="store_true", help="short budget smoke run")
   ap.add_argument("--workload", choices=sorted(WORKLOADS), default="long_tail",
-                  help="long_tail (configs/long_tail.py) or long_context (configs/long_context.py)")
+                  help="long_tail (configs/long_tail.py), long_context (configs/long_context.py)"
+                       " or tools (configs/tiny_tools.py, multi-turn)")
   ap.add_argument("--out", default="", help="directory for per-mode runs (default: temp)")
   ap.add_argument("--shuffle_seed", type=int, default=0, help="seeds the per-round mode order")
   ap.add_argument("--json", default="", help="also write the aggregated table here")
@@ -305,7 +322,11 @@ def main() -> None:
   CONFIG = WORKLOADS[a.workload]
   budget = 20.0 if a.quick else a.budget_s
   base = pathlib.Path(a.out or tempfile.mkdtemp(prefix="jax_dora_modes_"))
-  modes = [m for m in a.modes.split(",") if m]
+  default_modes = TOOLS_MODES if a.workload == "tools" else ALL_MODES
+  modes = [m for m in (a.modes or ",".join(default_modes)).split(",") if m]
+  if a.workload == "tools":
+    given = {o.split("=", 1)[0] for o in overrides}
+    overrides = [o for o in TOOLS_DEFAULT_OVERRIDES if o.split("=", 1)[0] not in given] + overrides
   where = a.placement
   if where == "split":
     learner_cores, rollout_cores = split_cores()
@@ -338,6 +359,9 @@ def main() -> None:
                               for d, u in zip(runs["dora_pace"], runs["async_unfiltered"])])
     rows["dora_pace"]["x_async_unfiltered"] = per_round
     print(f"dora_pace / async_unfiltered trained tokens/s: {_fmt_spread(per_round)}")
+  for m, s in rows.items():
+    if s.get("tool_calls_per_trajectory") is not None:
+      print(f"{m}: {s['tool_calls_per_trajectory']:.2f} tool calls per trained trajectory")
   if "sync" in rows:
     print(f"\nsync spends {_fmt_spread(rows['sync']['bubble'], pct=True)} of its step waiting for"
           " rollout (the learner's bubble is exactly the rollout share there).")

@@ -32,6 +32,11 @@ def calculator_script(sample_id: int, member: int, so_far: str) -> str:
   return f"{a * b}"  # after the observation: the answer (EOS follows)
 
 
+def no_call_script(sample_id: int, member: int, so_far: str) -> str:
+  del so_far
+  return f"{sample_id + member}"  # one turn, no tool call
+
+
 def _run(tmp_path, mode, **kw):
   with ToolExecutor(["calculator"], max_concurrency=4, extra_latency_s=0.01) as tools:
     out = run_mode(tmp_path, mode, step_s=0.01, script=calculator_script, tool_executor=tools,
@@ -120,3 +125,12 @@ def test_the_audit_reruns_tool_calls_and_catches_an_altered_observation(tmp_path
     altered[3] = dict(altered[3], tool_calls=[dict(altered[3]["tool_calls"][0], observation="7")])
     found, _ = asyncio.run(recheck_tool_calls(altered, loop, sample=1000))
     assert len(found) == 1 and "recorded observation '7'" in found[0]
+
+
+def test_no_hold_outlives_a_trajectory_that_never_called_the_tool(tmp_path):
+  with ToolExecutor(["calculator"]) as tools:
+    out = run_mode(tmp_path, "dora", step_s=0.01, script=no_call_script, tool_executor=tools,
+                   **{"tools.name": "calculator"})
+  assert out.summary["integrity_violations"] == []
+  assert all(not s.holds for s in out.servers)
+  assert all("tool_calls" not in r for r in out.trained)

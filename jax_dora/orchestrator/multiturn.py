@@ -200,6 +200,8 @@ async def generate_turns(dispatcher: Any, tools: ToolLoop | None, prompt: Any,
         if server is None:
           raise
         return None
+      if tools is not None and hold and res.server:
+        server = res.server  # its version is held there now: next turn, and release
       if res.finish_reason == "aborted":
         return None
       traj = to_trajectory(prompt, prompt_tokens, member, res, time.time())
@@ -214,8 +216,6 @@ async def generate_turns(dispatcher: Any, tools: ToolLoop | None, prompt: Any,
         return traj
       await tools.respond(traj, turn_start, f"{tag}-{prompt.sample_id}-{member}", room=room)
       turn_start, partial = traj.num_completion_tokens, traj
-      if hold:
-        server = res.server
       if traj.num_completion_tokens >= budget:
         traj.finish_reason = "length"
         return traj

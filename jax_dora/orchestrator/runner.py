@@ -251,6 +251,8 @@ class Orchestrator:
           continue
         traj = to_trajectory(prompt, tokens, member, result, submit)
         traj.incarnation = result.incarnation
+        if hold and result.server:
+          server = result.server  # its version is held there now: next turn, and release
         if partial is not None:
           traj.context_spans, traj.tool_calls = partial.context_spans, partial.tool_calls
         if tools is not None and traj.finish_reason == "stop":
@@ -261,8 +263,6 @@ class Orchestrator:
           await tools.respond(traj, turn_start, f"{prompt.sample_id}-{member}", room=room,
                               version=lambda: self.version)
           turn_start, partial = traj.num_completion_tokens, traj
-          if hold:
-            server = result.server
           if traj.num_completion_tokens >= budget:
             traj.finish_reason = "length"
             break
