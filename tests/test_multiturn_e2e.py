@@ -57,3 +57,34 @@ def test_dora_pace_with_a_calculator_passes_the_audit(tmp_path):
         again = asyncio.run(calculator.run(ToolCall("calculator", c["call"])))
         assert again.observation == c["observation"], c
   assert summary["final_eval_reward"] is not None
+
+
+def test_the_gsm8k_tool_config_runs_on_a_tiny_qwen2(hf_dirs, tmp_path):
+  """configs/qwen2_5_0_5b_gsm8k_tir.py on a tiny random Qwen2 with its BPE tokenizer.
+
+  A random policy almost never writes a python block, so the stop string is a
+  frequent one here ("e"): turns stop, the python format finds no call, the
+  observation says so inside an output fence, and the run goes on; the audit
+  must hold on the BPE path (trigger ids over the whole vocabulary, context
+  spans of multi-token observations).
+  """
+  from test_real_model_e2e import real_model_config  # pylint: disable=g-import-not-at-top
+
+  spec = importlib.util.spec_from_file_location(
+      "tir", ROOT / "configs" / "qwen2_5_0_5b_gsm8k_tir.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  tir = module.get_config()
+  cfg = real_model_config(hf_dirs["qwen2"], tmp_path, "dora_pace")
+  cfg.tools = tir.tools
+  cfg.tools.stop_strings = "e"
+  cfg.tools.max_observation_tokens = 24
+  cfg.total_steps = 2
+  summary = run_training(cfg)
+  assert summary["steps"] == 2 and summary["integrity_violations"] == []
+  ledger = IntegrityLedger.from_log(pathlib.Path(cfg.output_dir) / "trained_samples.jsonl",
+                                    group_size=4, max_staleness=cfg.orchestrator.max_staleness)
+  calls = [c for r in ledger.trained_records() for c in r.get("tool_calls", ())]
+  assert calls and all(c["tool"] == "python" for c in calls)
+  assert {c["observation"] for c in calls} <= {
+      "error: no tool call found before the stop marker", "tool call limit reached"}
