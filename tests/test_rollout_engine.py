@@ -407,3 +407,50 @@ def test_a_wrong_decode_hint_is_reported_not_silently_used():
   for params, hint, violated in cases:
     state, res = engine.generate(params, state, hint)
     assert bool(res.convert_to_numpy().hint_violated) == violated, hint
+
+
+def test_scanned_layers_engine_matches_unrolled(tmp_path):
+  """``scan_layers``: prefill and decode loop over one compiled block over
+  stacked params; the tokens and log-probs are the unrolled engine's (single
+  version, a full pass and a gathered-rows pass of two live versions, heads
+  split over two devices), and snapshots, which keep the per-layer layout,
+  load stacked."""
+  from jax_dora.model import unstack_layers  # pylint: disable=g-import-not-at-top
+  from jax_dora.snapshots import SnapshotPublisher, SnapshotReader  # pylint: disable=g-import-not-at-top
+
+  raw = {v: init_params(CFG, jax.random.PRNGKey(20 + v)) for v in (1, 2)}
+  outs = {}
+  for scan in (False, True):
+    engine = _engine(temperature=0.0, scan_layers=scan, devices=jax.devices()[6:8], tensor_parallel=2)
+    ps = {v: engine.place_params(p) for v, p in raw.items()}
+    if scan:
+      assert "layers" in ps[1] and "layers_0" not in ps[1]
+      assert ps[1]["layers"]["mlp"]["wo"]["kernel"].shape == (CFG.n_layers, CFG.d_ff, CFG.d_model)
+      jax.tree.map(np.testing.assert_array_equal, unstack_layers(ps[1]), raw[1])
+    single = _run(engine, ps[1], [_prompt("12+34="), _prompt("sort: c a b")], (0, 3), steps=6)
+    state = engine.init_decode_state()
+    for slot, version in ((0, 1), (1, 1), (2, 2), (3, 1)):  # v1: a full pass; v2: one gathered row
+      state, _, _ = engine.prefill_insert(ps[version], version, *engine.pad_tokens(_prompt(f"{slot}+1=")),
+                                          state, slot)
+    both = MultiVersionParams(ps, (1, 2))
+    steps = []
+    for _ in range(4):
+      state, res = engine.generate(both, state)
+      res = res.convert_to_numpy()
+      steps.append([(int(res.get_result_at_slot(s).tokens[0, 0]), float(res.get_logprobs_at_slot(s)[0]))
+                    for s in range(4)])
+    outs[scan] = (single, steps)
+  (single_u, steps_u), (single_s, steps_s) = outs[False], outs[True]
+  for i in single_u:
+    assert single_s[i][0] == single_u[i][0]
+    np.testing.assert_allclose(single_s[i][1], single_u[i][1], atol=1e-5)
+  assert [[t for t, _ in row] for row in steps_s] == [[t for t, _ in row] for row in steps_u]
+  np.testing.assert_allclose([[lp for _, lp in row] for row in steps_s],
+                             [[lp for _, lp in row] for row in steps_u], atol=1e-5)
+  publisher = SnapshotPublisher(tmp_path / "snaps", max_to_keep=None)
+  publisher.publish(1, raw[1])
+  publisher.close()
+  loaded = engine.load_params(SnapshotReader(str(tmp_path / "snaps")), 1)
+  jax.tree.map(np.testing.assert_array_equal, loaded, engine.place_params(raw[1]))
+  # Embedded servers share one load: a stacked tree places as it is.
+  jax.tree.map(np.testing.assert_array_equal, engine.place_params(loaded), loaded)

@@ -27,6 +27,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv", None),
     ("length", None),
     ("norm", None),
+    ("layers", None),  # the stacked-layers axis of a scanned model: every device holds every layer
 )
 
 

@@ -22,7 +22,14 @@ from jax_dora.model.kv_cache import KVCache
 from jax_dora.model.tokenizer import CharTokenizer
 from jax_dora.model.logits import chunked_token_logprobs, suppress_mask, token_logprobs
 from jax_dora.model.rope import apply_rope
-from jax_dora.model.transformer import DECODE_ATTENTION, Transformer, head_logits, head_weight
+from jax_dora.model.transformer import (
+    DECODE_ATTENTION,
+    Transformer,
+    head_logits,
+    head_weight,
+    stack_layers,
+    unstack_layers,
+)
 
 __all__ = [
     "DECODE_ATTENTION",
@@ -41,8 +48,10 @@ __all__ = [
     "init_key",
     "init_params",
     "param_logical_specs",
+    "stack_layers",
     "suppress_mask",
     "token_logprobs",
+    "unstack_layers",
 ]
 
 

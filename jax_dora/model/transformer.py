@@ -232,6 +232,7 @@ class Attention(nn.Module):
   mode: str = "train"
   decode_attention: str = "blocked"
   attention_block: int = 0
+  kv_bound: int | None = None  # decode: static bound of the entries read (see Transformer.decode)
 
   @nn.compact
   def __call__(
@@ -241,8 +242,7 @@ class Attention(nn.Module):
       mask: jax.Array | None = None,
       cache: tuple[jax.Array, jax.Array] | None = None,
       rows: jax.Array | None = None,
-      layer: int = 0,
-      kv_bound: int | None = None,
+      layer: int | jax.Array = 0,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     cfg = self.cfg
     dtype = cfg.jnp_dtype
@@ -274,7 +274,7 @@ class Attention(nn.Module):
       # measure against); "blocked" reads the host's bound in chunks.
       s = ck.shape[3]
       bound, chunk = (s, s) if self.decode_attention == "dense" else (
-          kv_bound or s, decode_chunk(self.attention_block))
+          self.kv_bound or s, decode_chunk(self.attention_block))
       ctx = _attend_cache_and_self(q, k, v, ck, cv, positions, rows, bound, chunk, layer)
       kv = (k.astype(ck.dtype), v.astype(cv.dtype))
     else:
@@ -327,12 +327,13 @@ class Block(nn.Module):
   mode: str = "train"
   decode_attention: str = "blocked"
   attention_block: int = 0
+  kv_bound: int | None = None
 
   @nn.compact
-  def __call__(self, x, positions, mask=None, cache=None, rows=None, layer=0, kv_bound=None):
+  def __call__(self, x, positions, mask=None, cache=None, rows=None, layer=0):
     h, kv = Attention(self.cfg, self.mode, self.decode_attention, self.attention_block,
-                      name="attn")(_rms_norm(self.cfg, "attn_norm")(x), positions, mask, cache,
-                                   rows, layer, kv_bound)
+                      self.kv_bound, name="attn")(
+                          _rms_norm(self.cfg, "attn_norm")(x), positions, mask, cache, rows, layer)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(_rms_norm(self.cfg, "mlp_norm")(x))
     return x, kv
@@ -361,6 +362,42 @@ def head_weight(cfg: ModelConfig, params) -> jax.Array:
   return params["lm_head"]["kernel"]
 
 
+def stack_layers(tree: dict, n_layers: int) -> dict:
+  """A per-layer tree (``layers_0 .. layers_{L-1}``) -> the scanned layout:
+  one ``layers`` subtree whose leaves are the layers' leaves stacked on a new
+  leading axis; the other entries (embedding, final norm, head) unchanged.
+
+  Works on any tree of that shape: params, ``ShapeDtypeStruct``s (a leaf's
+  shape gains the leading ``n_layers``) or logical ``PartitionSpec``s (which
+  gain a leading ``"layers"`` axis).
+  """
+  names = [f"layers_{i}" for i in range(n_layers)]
+  if sorted(k for k in tree if k.startswith("layers_")) != sorted(names):
+    raise ValueError(f"expected per-layer entries {names[0]}..{names[-1]}, got {sorted(tree)}")
+  out = {k: v for k, v in tree.items() if k not in names}
+  out["layers"] = jax.tree.map(_stack_leaves, *(tree[n] for n in names),
+                               is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  return out
+
+
+def _stack_leaves(*leaves):
+  first = leaves[0]
+  if isinstance(first, jax.sharding.PartitionSpec):
+    return jax.sharding.PartitionSpec("layers", *first)
+  if isinstance(first, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((len(leaves),) + first.shape, first.dtype)
+  return jnp.stack(leaves)
+
+
+def unstack_layers(tree: dict) -> dict:
+  """The inverse of :func:`stack_layers` for arrays: ``layers`` -> ``layers_i``."""
+  out = {k: v for k, v in tree.items() if k != "layers"}
+  n_layers = jax.tree.leaves(tree["layers"])[0].shape[0]
+  for i in range(n_layers):
+    out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], tree["layers"])
+  return out
+
+
 class Transformer(nn.Module):
   """Decoder-only LM. See the module docstring for layout and axis names.
 
@@ -380,6 +417,12 @@ class Transformer(nn.Module):
   # and the block size of the blocked path.
   decode_attention: str = "blocked"
   attention_block: int = 0
+  # One block compiled and looped ``n_layers`` times (``nn.scan``) instead of
+  # ``n_layers`` unrolled copies: less to compile per program at 16+ layers,
+  # more below. Params then live stacked under ``layers`` (``stack_layers``
+  # of the per-layer tree). Only the engine sets it (``DoraEngine(scan_layers=)``;
+  # the learner's step is slower scanned): DESIGN.md, Scanning over layers.
+  scan_layers: bool = False
 
   def __call__(
       self,
@@ -495,13 +538,22 @@ class Transformer(nn.Module):
     if self.remat != "none":
       block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=True)
     layer_cache = None if cache is None else (cache.k, cache.v)  # read whole, in place
-    new_k, new_v = [], []
-    for i in range(cfg.n_layers):
-      x, kv = block_cls(cfg, mode, self.decode_attention, self.attention_block,
-                        name=f"layers_{i}")(x, positions, mask, layer_cache, rows, i, kv_bound)
-      if kv is not None:
-        new_k.append(kv[0])
-        new_v.append(kv[1])
+    block_args = (cfg, mode, self.decode_attention, self.attention_block, kv_bound)
+    if self.scan_layers:
+      # One block compiled, run n_layers times over params stacked on a
+      # leading "layers" axis; the layer index drives the decode cache read.
+      scanned = nn.scan(
+          block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+          length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      x, kv = scanned(*block_args, name="layers")(
+          x, positions, mask, layer_cache, rows, jnp.arange(cfg.n_layers, dtype=jnp.int32))
+    else:
+      per_layer = []
+      for i in range(cfg.n_layers):
+        x, kv = block_cls(*block_args, name=f"layers_{i}")(x, positions, mask, layer_cache, rows, i)
+        per_layer.append(kv)
+      kv = None if per_layer[0] is None else tuple(jnp.stack(t) for t in zip(*per_layer))
 
     x = _rms_norm(cfg, "final_norm")(x)
     if return_hidden:
@@ -524,4 +576,4 @@ class Transformer(nn.Module):
 
     if mode == "train":
       return out, None
-    return out, KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
+    return out, KVCache(k=kv[0], v=kv[1])

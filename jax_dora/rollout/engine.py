@@ -33,6 +33,7 @@ prefixes (batch 1) follow the same head split.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -53,6 +54,7 @@ from jax_dora.model import (
     head_logits,
     head_weight,
     param_logical_specs,
+    stack_layers,
     suppress_mask,
 )
 from jax_dora.model import abstract_params as model_abstract_params
@@ -272,6 +274,7 @@ class DoraEngine(engine_api.Engine):
       prefill_batch_tokens: int = 4096,
       share_prompt_prefill: bool = True,
       length_buckets: Sequence[int] = (),
+      scan_layers: bool = False,
   ):
     if num_slots < 1:
       raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -290,8 +293,12 @@ class DoraEngine(engine_api.Engine):
                        f"{prefill_batch_tokens} >= 1")
     self.model_cfg = model_cfg
     self.tokenizer = tokenizer
+    # scan_layers: prefill and decode programs loop over one compiled block
+    # (DESIGN.md, Scanning over layers). Snapshots keep the per-layer layout;
+    # load_params / place_params stack it once per version.
+    self.scan_layers = bool(scan_layers)
     self.model = Transformer(model_cfg, decode_attention=decode_attention,
-                             attention_block=int(attention_block))
+                             attention_block=int(attention_block), scan_layers=self.scan_layers)
     self.decode_attention = decode_attention
     self.share_prompt_prefill = bool(share_prompt_prefill)
     self._prefill_batch_tokens = int(prefill_batch_tokens)
@@ -315,7 +322,10 @@ class DoraEngine(engine_api.Engine):
     self._mesh = Mesh(np.array(devices).reshape(len(devices) // tp, tp), ("slots", "tensor"))
     self.replicated = NamedSharding(self._mesh, P())
     self._heads_axis = "tensor" if tp > 1 else None
-    self.param_sharding = self._param_sharding()
+    # The per-layer (snapshot, checkpoint) layout's shardings, and the
+    # programs' (stacked under "layers" with scan_layers).
+    self.param_sharding = self._param_sharding(stacked=False)
+    self._program_param_sharding = self._param_sharding(stacked=self.scan_layers)
     slot_axis = "slots" if num_slots % (len(devices) // tp) == 0 else None
     self._slot_axis = slot_axis
     self._prefix_cache_sharding = NamedSharding(self._mesh, P(None, None, self._heads_axis))
@@ -330,6 +340,8 @@ class DoraEngine(engine_api.Engine):
     self._prefill_count = 0
     self._rng_lock = threading.Lock()
     self._abstract_params: Params | None = None
+    self._snapshot_abstract: Params | None = None
+    self._stack_fn = None
     # Gathered sub-batch sizes for a version's rows (see
     # _multi_version_step): slots/8, /4, /2, then a full pass.
     self._row_buckets = tuple(sorted(
@@ -344,12 +356,16 @@ class DoraEngine(engine_api.Engine):
     self._build_jitted()
 
   # ---------------------------------------------------------------- placement
-  def _param_sharding(self) -> Params:
-    """Per-param shardings: model-parallel axes over ``"tensor"``, the rest replicated."""
+  def _param_sharding(self, stacked: bool) -> Params:
+    """Per-param shardings: model-parallel axes over ``"tensor"``, the rest
+    replicated; ``stacked``: of the scanned layout (``stack_layers``)."""
     rules = tuple((name, self._heads_axis) for name in ("vocab", "heads", "kv_heads", "mlp"))
-    rules += tuple((name, None) for name in ("embed", "kv", "norm"))
+    rules += tuple((name, None) for name in ("embed", "kv", "norm", "layers"))
+    specs = param_logical_specs(self.model_cfg)
+    if stacked:
+      specs = stack_layers(specs, self.model_cfg.n_layers)
     with nn.logical_axis_rules(rules):
-      return nn.logical_to_mesh_sharding(param_logical_specs(self.model_cfg), self._mesh, rules)
+      return nn.logical_to_mesh_sharding(specs, self._mesh, rules)
 
   def _decode_state_sharding(self, slot_axis: str | None) -> DecodeState:
     row = NamedSharding(self._mesh, P(slot_axis))
@@ -408,28 +424,58 @@ class DoraEngine(engine_api.Engine):
     return Prefix(cache=KVCache(k=cache, v=cache), token=r, logprob=r, true_length=r, version=r)
 
   def abstract_params(self) -> Params:
-    """Shape/dtype/sharding of the params, for restoring snapshots onto us.
+    """Shape/dtype/sharding of the params the engine's programs take (what
+    ``load_params`` and ``place_params`` return; stacked with ``scan_layers``).
 
     Computed once: tracing the Flax init costs more than the Orbax read of
     a small model, and every version load needs it.
     """
     if self._abstract_params is None:
-      shapes = model_abstract_params(self.model_cfg)  # the shared, cached init trace
-      self._abstract_params = abstract_target_like(shapes, self.param_sharding)
+      shapes = self._per_layer_shapes()
+      if self.scan_layers:
+        shapes = stack_layers(shapes, self.model_cfg.n_layers)
+      self._abstract_params = abstract_target_like(shapes, self._program_param_sharding)
     return self._abstract_params
+
+  def _per_layer_shapes(self) -> Params:
+    return model_abstract_params(self.model_cfg)  # the shared, cached init trace
+
+  def _snapshot_target(self) -> Params:
+    """The per-layer layout snapshots hold, on ``param_sharding``: the restore target."""
+    if not self.scan_layers:
+      return self.abstract_params()
+    if self._snapshot_abstract is None:
+      self._snapshot_abstract = abstract_target_like(self._per_layer_shapes(), self.param_sharding)
+    return self._snapshot_abstract
+
+  def _program_layout(self, params: Params) -> Params:
+    """Per-layer params (on ``param_sharding``) -> what the programs take."""
+    if not self.scan_layers:
+      return params
+    if self._stack_fn is None:
+      self._stack_fn = jax.jit(
+          functools.partial(stack_layers, n_layers=self.model_cfg.n_layers),
+          out_shardings=self._program_param_sharding)
+    return self._stack_fn(params)
 
   def load_params(  # pytype: disable=signature-mismatch
       self, reader: SnapshotReader, version: int, incarnation: str | None = None
   ) -> Params:
     """Restores snapshot ``version`` (of run ``incarnation``) onto this engine's devices."""
-    params, _ = reader.load(int(version), target=self.abstract_params(), incarnation=incarnation)
-    return params
+    params, _ = reader.load(int(version), target=self._snapshot_target(), incarnation=incarnation)
+    return self._program_layout(params)
 
   def place_params(self, params: Params) -> Params:
-    """Copies an in-memory param tree onto the engine's devices, layout and param dtype."""
-    abstract = self.abstract_params()
-    return jax.device_put(
-        jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract), self.param_sharding)
+    """Copies an in-memory param tree onto the engine's devices, param dtype
+    and program layout: a per-layer tree (a checkpoint's, the learner's) or
+    one already stacked (another scanned engine's ``load_params``, which the
+    embedded servers share)."""
+    if self.scan_layers and "layers" in params:
+      target, sharding = self.abstract_params(), self._program_param_sharding
+    else:
+      target, sharding = self._snapshot_target(), self.param_sharding
+    placed = jax.device_put(jax.tree.map(lambda x, a: x.astype(a.dtype), params, target), sharding)
+    return placed if "layers" in placed else self._program_layout(placed)
 
   def warmup(self, max_versions: int) -> None:
     """Compiles prefill+insert (every bucket), decode for every length bucket
