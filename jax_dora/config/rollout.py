@@ -52,6 +52,11 @@ class RolloutConfig(ConfigBlock):
       " per device call.")
   share_prompt_prefill: bool = field(
       True, "Compute the identical prompts of a GRPO group once and copy their KV entries.")
+  scan_layers: bool = field(
+      False, "Prefill and decode programs loop over one compiled block (nn.scan) instead of"
+      " unrolling model.n_layers: 1.9-2.8x less compile per program at 16-28 layers on CPU,"
+      " slower below that; snapshots keep the per-layer layout (the engine stacks them on load)."
+      " Measure on your accelerator (benchmarks/scan_layers.py) before turning it on.")
   param_dtype: str = field(
       "", "Dtype the servers hold the policy in (\"\" = model.param_dtype): bfloat16 halves"
       " rollout memory; snapshots are cast on restore.")

@@ -1057,4 +1057,5 @@ def build_engine(
       prefill_batch_tokens=r.prefill_batch_tokens,
       share_prompt_prefill=r.share_prompt_prefill,
       length_buckets=split_csv(r.decode_length_buckets, int),
+      scan_layers=r.scan_layers,
   )
