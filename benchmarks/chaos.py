@@ -32,7 +32,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,14 +42,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jax_dora.orchestrator.integrity import IntegrityLedger, read_log  # pylint: disable=wrong-import-position
+from _procs import free_port  # noqa: E402  pylint: disable=wrong-import-position
 
 _MODEL = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64)
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -204,7 +198,7 @@ def main() -> int:
   base = pathlib.Path(args.out or tempfile.mkdtemp(prefix="jax_dora_chaos_"))
   out, snapshots, logs = base / "run", base / "snapshots", base / "logs"
   logs.mkdir(parents=True, exist_ok=True)
-  servers = [Server(i, _free_port(), snapshots, logs, args.server_arg) for i in range(args.servers)]
+  servers = [Server(i, free_port(), snapshots, logs, args.server_arg) for i in range(args.servers)]
   for s in servers:
     s.start()
   learner = Learner(args, out, snapshots, ",".join(s.address for s in servers), logs)

@@ -65,7 +65,6 @@ import os
 import random
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,6 +75,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jax_dora.metrics.reward_curves import mean_se  # noqa: E402  pylint: disable=wrong-import-position
+from _procs import free_port  # noqa: E402  pylint: disable=wrong-import-position
+
 WORKLOADS = {"long_tail": "configs/long_tail.py", "long_context": "configs/long_context.py",
              "tools": "configs/tiny_tools.py"}
 # The multi-turn workload (issue 25): its modes, and a tool latency that
@@ -101,12 +102,6 @@ def _env() -> dict[str, str]:
 def _pin(cores: list[int]):
   """preexec_fn pinning the child process (and all its threads) to ``cores``."""
   return lambda: os.sched_setaffinity(0, cores)
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def split_cores() -> tuple[list[int], list[int]]:
@@ -141,7 +136,7 @@ def _wait_until_serving(proc: subprocess.Popen, log_path: pathlib.Path,
 @contextlib.contextmanager
 def rollout_server(out: pathlib.Path, cores: list[int], extra: list[str]):
   """A gRPC rollout server process on ``cores``; yields its address."""
-  port = _free_port()
+  port = free_port()
   log = open(out / "rollout_server.log", "w")
   proc = subprocess.Popen(
       [sys.executable, "-m", "jax_dora.rollout.server_main", f"--config={CONFIG}",
