@@ -134,3 +134,21 @@ def test_no_hold_outlives_a_trajectory_that_never_called_the_tool(tmp_path):
   assert out.summary["integrity_violations"] == []
   assert all(not s.holds for s in out.servers)
   assert all("tool_calls" not in r for r in out.trained)
+
+
+def test_a_call_over_the_limit_is_recorded_as_not_run(tmp_path):
+  """Past tools.max_calls the tool does not run: the record says so (call None), and the
+  end-of-run audit does not re-run it (it found such a call 'wrong' in the suite once)."""
+  def two_calls(sample_id: int, member: int, so_far: str) -> str:
+    del sample_id, member
+    return "2*3=" if so_far.count("[") < 2 else "6"
+
+  with ToolExecutor(["calculator"]) as tools:
+    out = run_mode(tmp_path, "dora", step_s=0.01, script=two_calls, tool_executor=tools,
+                   steps=2, **{"tools.name": "calculator", "tools.max_calls": 1})
+  assert out.summary["integrity_violations"] == []
+  for r in out.trained:
+    first, second = r["tool_calls"]
+    assert first["call"] == "2*3" and first["observation"] == "6"
+    assert second["call"] is None and second["parsed"] == "2*3"
+    assert second["observation"] == "tool call limit reached"

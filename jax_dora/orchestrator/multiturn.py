@@ -166,7 +166,11 @@ class ToolLoop:
     traj.behaviour_logprobs = np.concatenate(
         [traj.behaviour_logprobs, np.zeros((len(ids),), np.float32)])
     traj.context_spans = [*traj.context_spans, (start, start + len(ids))]
-    record = {"turn": len(traj.tool_calls), "tool": self.tool, "call": arguments,
+    ran = arguments is not None and len(traj.tool_calls) < self.max_calls
+    # "call": what the tool ran (None when it did not run: over the limit, or
+    # no parsable call); "parsed": what was cut out of the turn either way.
+    record = {"turn": len(traj.tool_calls), "tool": self.tool,
+              "call": arguments if ran else None, "parsed": arguments,
               "observation": result.observation, "status": result.status,
               "exit_code": result.exit_code, "wall_s": round(result.wall_s, 6),
               "truncated": bool(result.truncated or cut), "start": start,
