@@ -607,11 +607,8 @@ class Dispatcher:
         continue
       rid = f"{tag}-{prompt.sample_id}-{member}-{next(self._ids)}"
       req = self._request(rid, prompt_tokens, max_new_tokens, version, resume, ignore_eos, **extra)
-      s.in_flight += 1
-      self._active[rid] = s
       try:
-        result = await self._guarded(s, s.client.generate(req))
-        return dataclasses.replace(result, server=s.client.name)
+        return await self._attempt(s, req)
       except VersionUnavailableError:
         raise  # the caller pinned a version the server no longer holds: not a crash
       except RolloutError as e:
@@ -624,9 +621,18 @@ class Dispatcher:
           self._on_reissue(prompt.sample_id, member, str(e))
         log.warning("request %s failed on %s (%s); re-issuing", rid, s.client.name, e)
         failed_on, retry_at = s, self._loop.time() + self._retry_delay(attempts)
-      finally:
-        s.in_flight -= 1
-        self._active.pop(rid, None)
+
+  async def _attempt(self, s: _ServerSlot, req: RolloutRequest) -> RolloutResult:
+    """``req`` on ``s``, counted in flight (and reachable by ``abort_all``) while it runs;
+    the result names the server (``RolloutResult.server``: hold affinity)."""
+    s.in_flight += 1
+    self._active[req.request_id] = s
+    try:
+      result = await self._guarded(s, s.client.generate(req))
+      return dataclasses.replace(result, server=s.client.name)
+    finally:
+      s.in_flight -= 1
+      self._active.pop(req.request_id, None)
 
 
   def _request(self, rid: str, prompt_tokens: np.ndarray, max_new_tokens: int,
@@ -661,11 +667,8 @@ class Dispatcher:
       return self._aborted(f"{tag}-{prompt.sample_id}-{member}-aborted", resume)
     rid = f"{tag}-{prompt.sample_id}-{member}-{next(self._ids)}"
     req = self._request(rid, prompt_tokens, max_new_tokens, version, resume, ignore_eos, **extra)
-    s.in_flight += 1
-    self._active[rid] = s
     try:
-      result = await self._guarded(s, s.client.generate(req))
-      return dataclasses.replace(result, server=s.client.name)
+      return await self._attempt(s, req)
     except VersionUnavailableError:
       raise
     except RolloutError as e:
@@ -673,9 +676,6 @@ class Dispatcher:
       raise VersionUnavailableError(
           f"rollout server {name} failed while holding this trajectory's version: {e}",
           (rid,)) from e
-    finally:
-      s.in_flight -= 1
-      self._active.pop(rid, None)
 
 
   async def release_hold(self, name: str, hold: str) -> None:
