@@ -181,7 +181,7 @@ def namespace_argv(python: str, limits: Limits, uid: int, root: str, readonly: l
           if any(_inside(os.path.abspath(p), r) for r in readonly)]
   cfg = {"root": root, "uid": uid, "token": token, "size": limits.tmp_bytes,
          "readonly": readonly, "hide": hide,
-         "argv": [python, "-I", "-B"] + runner_args(NAMESPACES, limits, "/tmp", ())}
+         "argv": [python, "-I", "-B"] + runner_args(NAMESPACES, limits, sandbox_init.WORKDIR, ())}
   return [shutil.which("unshare"), "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
           "--kill-child", "--propagation", "private", "--",
           python, "-I", "-S", "-B", "-c", source(sandbox_init), json.dumps(cfg)]

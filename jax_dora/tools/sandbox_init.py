@@ -9,7 +9,7 @@ and tripled the per-call overhead.
 
 Steps: a tmpfs root on the (empty, host-created) mount point; a fresh
 ``/proc``; a ``/dev`` with only null, zero, full, random and urandom;
-size-limited tmpfs ``/dev/shm`` and ``/tmp`` (the program's working
+size-limited tmpfs ``/dev/shm`` and ``/tmp`` (holding the program's working
 directory, owned by the call's uid, where ``main.py`` is written from
 stdin); read-only, nosuid, nodev bind mounts of the allowlisted host paths
 at their own paths; empty read-only covers over protected paths inside
@@ -42,6 +42,7 @@ PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 
 _libc = ctypes.CDLL(None, use_errno=True)
+WORKDIR = "/tmp/work"  # the program's working directory inside the sandbox
 
 
 def _b(s: str | None) -> bytes | None:
@@ -87,7 +88,12 @@ def build_root(root: str, uid: int, size: int, readonly: list[str], hide: list[s
   os.mkdir(root + "/tmp")
   _mount("jd-tmp", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
          f"size={size},mode=0700,uid={uid},gid={uid}")
-  with open(root + "/tmp/main.py", "wb") as f:
+  # The program's working directory: its own directory inside /tmp, so that
+  # read-only paths allowlisted under the host's /tmp (a venv in /tmp/x) are
+  # not listed in it.
+  os.mkdir(root + WORKDIR, 0o700)
+  os.chown(root + WORKDIR, uid, uid)
+  with open(root + WORKDIR + "/main.py", "wb") as f:
     f.write(code)
   # After /tmp: an allowlisted path under the host's /tmp appears, read-only,
   # inside the private one.
@@ -139,7 +145,7 @@ def _start(root: str, uid: int, argv: list[str], token: str) -> int:
     return pid
   try:
     os.chroot(root)
-    os.chdir("/tmp")
+    os.chdir(WORKDIR)
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
