@@ -39,8 +39,11 @@ class CallFormat(Protocol):
   stop_strings: tuple[str, ...]
   deterministic: bool  # whether re-running a call must reproduce its observation
 
-  def parse(self, turn_text: str) -> str | None:
-    """The call's arguments in the turn that just ended at a stop string (None: no call)."""
+  def parse(self, turn_text: str, prompt: Any = None) -> str | None:
+    """The call's arguments in the turn that just ended at a stop string (None: no call).
+
+    ``prompt``: the trajectory's ``Prompt`` (a format may default to its task's own input).
+    """
 
   def wrap(self, observation: str) -> str:
     """The text appended after the call (what the model reads)."""
@@ -48,15 +51,26 @@ class CallFormat(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class CalculatorFormat:
-  """``4821*937=`` -> ``[4517277]``: the expression right before ``=``."""
+  """``4821*937=`` -> ``[4517277]``: the expression right before ``=``.
+
+  A bare ``=`` (no expression before it) evaluates the prompt's own expression
+  (``Prompt.meta["expression"]``, set by the ``mul`` task): a call a random
+  policy can stumble on, so the tiny model can discover that the tool pays
+  (writing the operands out exactly is too rare to ever be explored).
+  """
 
   stop_strings: tuple[str, ...] = ("=",)
   deterministic: bool = True  # a call re-run gives the same observation (the audit relies on it)
-  _expression = re.compile(r"([0-9+\-*() ]+)=$")
+  _expression = re.compile(r"([0-9+\-*() ]*)=$")
 
-  def parse(self, turn_text: str) -> str | None:
+  def parse(self, turn_text: str, prompt: Any = None) -> str | None:
     m = self._expression.search(turn_text)
-    return m.group(1) if m and any(c.isdigit() for c in m.group(1)) else None
+    if m is None:
+      return None
+    if any(c.isdigit() for c in m.group(1)):
+      return m.group(1)
+    own = getattr(prompt, "meta", {}).get("expression") if prompt is not None else None
+    return str(own) if own else None
 
   def wrap(self, observation: str) -> str:
     return f"[{observation}]"
@@ -74,7 +88,8 @@ class PythonBlockFormat:
   # Model-written code may read the clock or a random seed: a re-run may differ.
   deterministic: bool = False
 
-  def parse(self, turn_text: str) -> str | None:
+  def parse(self, turn_text: str, prompt: Any = None) -> str | None:
+    del prompt
     start = turn_text.rfind("```python\n")
     if start < 0:
       return None
@@ -151,7 +166,7 @@ class ToolLoop:
     """
     v0 = version() if version is not None else 0
     text = self.tokenizer.decode(np.asarray(traj.completion_tokens[turn_start:]).tolist())
-    arguments = self.format.parse(text)
+    arguments = self.format.parse(text, traj.prompt)
     if len(traj.tool_calls) >= self.max_calls:
       result = ToolResult("tool call limit reached", "error")
     elif arguments is None:

@@ -2,8 +2,9 @@
 
 ``"mul 4821*937:"`` -> ``"4517277"``. The multi-turn workload of the tiny
 character model (issue 25): with ``tools.name=calculator`` the policy can
-write ``4821*937=``, read ``[4517277]`` and copy it, which a 2-layer model
-can learn; without the tool it can only guess digits. The first operand's
+write ``4821*937=`` (or a bare ``=``, which computes the prompt's own
+expression), read ``[4517277]`` and copy it, which a 2-layer model can
+learn; without the tool it can only guess digits. The first operand's
 digit count follows the long-tailed length law, so answers (and rollouts)
 are long-tailed like the other tasks'.
 
@@ -39,7 +40,7 @@ class MulTask(Task):
     lo = 0 if d == 1 else 10 ** (d - 1)
     a = lo + int(rng.random() * (10**d - lo))
     b = int(rng.integers(2, 10 ** int(rng.integers(1, 4))))
-    return f"mul {a}*{b}:", str(a * b), {"a": a, "b": b}
+    return f"mul {a}*{b}:", str(a * b), {"a": a, "b": b, "expression": f"{a}*{b}"}
 
   def score(self, prompt: Prompt, completion_text: str) -> float:
     return shaped_score(prompt.answer, final_answer(completion_text))
