@@ -113,10 +113,7 @@ def evaluate_versions(run_dir: str, steps: list[int | None], *, num_samples: int
       lambda p: length_budget(tokenizer, cfg.rollout.max_new_tokens,
                               cfg.rollout.length_mode == "answer", p),
       num_samples=cfg.eval.num_samples, correct_threshold=cfg.eval.correct_threshold,
-      tool_loop=None if rollout.tools is None else ToolLoop(
-          cfg.tools.name, rollout.tools, tokenizer, max_calls=cfg.tools.max_calls,
-          max_observation_tokens=cfg.tools.max_observation_tokens,
-          stop_strings=cfg.tools.stop_list))
+      tool_loop=ToolLoop.from_config(cfg.tools, rollout.tools, tokenizer))
 
   results: list[dict] = []
 

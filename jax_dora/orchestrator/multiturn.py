@@ -128,6 +128,15 @@ class ToolLoop:
     self.max_observation_tokens = max_observation_tokens
     self.stop_strings = tuple(stop_strings) or self.format.stop_strings
 
+  @classmethod
+  def from_config(cls, tools: Any, executor: Any, tokenizer: Any) -> ToolLoop | None:
+    """From the run's ``tools`` block (``jax_dora.config.ToolsConfig``); None when off."""
+    if not tools.enabled:
+      return None
+    return cls(tools.name, executor, tokenizer, max_calls=tools.max_calls,
+               max_observation_tokens=tools.max_observation_tokens,
+               stop_strings=tools.stop_list)
+
   def _encode(self, text: str) -> np.ndarray:
     """``text``'s ids; characters a closed vocabulary lacks (the tiny model's) become ``?``."""
     try:
@@ -195,6 +204,20 @@ class ToolLoop:
     return record
 
 
+  async def take_turn(self, traj: Trajectory, turn_start: int, budget: int, call_id: str,
+                      version: Any = None) -> bool:
+    """After a turn of ``traj`` ended at a stop string: answers the call and says
+    whether the trajectory goes on (False: the length budget is spent, and
+    ``finish_reason`` is ``length``). Shared by training and held-out eval."""
+    room = budget - traj.num_completion_tokens
+    if room > 0:
+      await self.respond(traj, turn_start, call_id, room=room, version=version)
+    if traj.num_completion_tokens >= budget:
+      traj.finish_reason = "length"
+      return False
+    return True
+
+
 async def generate_turns(dispatcher: Any, tools: ToolLoop | None, prompt: Any,
                          prompt_tokens: np.ndarray, member: int, budget: int, *, tag: str,
                          ignore_eos: bool, hold: str = "") -> Trajectory | None:
@@ -229,15 +252,10 @@ async def generate_turns(dispatcher: Any, tools: ToolLoop | None, prompt: Any,
         traj.context_spans, traj.tool_calls = partial.context_spans, partial.tool_calls
       if tools is None or res.finish_reason != "stop":
         return traj
-      room = budget - traj.num_completion_tokens
-      if room <= 0:
-        traj.finish_reason = "length"
+      if not await tools.take_turn(traj, turn_start, budget,
+                                   f"{tag}-{prompt.sample_id}-{member}"):
         return traj
-      await tools.respond(traj, turn_start, f"{tag}-{prompt.sample_id}-{member}", room=room)
       turn_start, partial = traj.num_completion_tokens, traj
-      if traj.num_completion_tokens >= budget:
-        traj.finish_reason = "length"
-        return traj
   finally:
     if server is not None:
       await dispatcher.release_hold(server, hold)
