@@ -55,3 +55,15 @@ def test_staleness_percentiles_are_nearest_rank():
   assert percentile(counts, 95) == 1
   assert percentile(counts, 99) == 2
   assert percentile({}, 50) is None
+
+
+def test_a_mixed_held_out_set_reports_each_task_apart():
+  from jax_dora.orchestrator.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
+  from jax_dora.types import Prompt  # pylint: disable=g-import-not-at-top
+  prompts = [Prompt(0, "mul", "m", "1"), Prompt(1, "repeat", "r", "2"), Prompt(2, "mul", "m", "3")]
+  ev = Evaluator(prompts, None, None, None, lambda p: (8, False))
+  m = ev._per_task([[1.0, 0.5], [0.5, 0.5], [0.0, 0.0]], [["a", "b"], ["c", "c"], ["d", "d"]])
+  assert m["eval/mul/reward"] == 0.375 and m["eval/repeat/reward"] == 0.5
+  assert m["eval/mul/pass@1"] == 0.25 and m["eval/repeat/pass@1"] == 0.0
+  assert Evaluator(prompts[:1], None, None, None, lambda p: (8, False))._per_task(
+      [[1.0, 0.5]], [["a", "b"]]) == {}  # one task: the overall numbers say it all

@@ -107,7 +107,27 @@ class Evaluator:
     self.last_samples = sorted(samples)
     m = sample_metrics(rewards, answers, self.correct_threshold)
     self.last_metrics = {f"eval/{name}": v for name, v in m.items()}
+    self.last_metrics.update(self._per_task(rewards, answers))
     # Standard error of the mean over prompts: what a difference between two
     # evals (two modes, two checkpoints) has to exceed to mean anything.
     self.last_stderr = m["reward_stderr"]
     return m["reward"]
+
+  def _per_task(self, rewards: list[list[float]], answers: list[list[str]]
+                ) -> dict[str, float | None]:
+    """``eval/<task>/reward`` and ``eval/<task>/pass@1`` (+ stderr) when the prompts mix tasks.
+
+    A mixture's mean hides which task moved: a curriculum task learned fast
+    can mask the task the run is for (the tool workload mixes ``repeat`` in).
+    """
+    tasks = sorted({p.task for p in self.prompts})
+    if len(tasks) < 2:
+      return {}
+    out: dict[str, float | None] = {}
+    for task in tasks:
+      rows = [i for i, p in enumerate(self.prompts) if p.task == task]
+      m = sample_metrics([rewards[i] for i in rows], [answers[i] for i in rows],
+                         self.correct_threshold)
+      for name in ("reward", "reward_stderr", "pass@1", "pass@1_stderr"):
+        out[f"eval/{task}/{name}"] = m[name]
+    return out
