@@ -19,6 +19,7 @@ import pytest
 from jax_dora.model.tokenizer import CharTokenizer
 from jax_dora.orchestrator import staleness as staleness_lib
 from jax_dora.tools import ToolExecutor
+from jax_dora.types import Prompt
 
 from test_mode_strategies import GROUP, GROUPS_PER_STEP, run_mode, staleness, versions
 
@@ -152,3 +153,34 @@ def test_a_call_over_the_limit_is_recorded_as_not_run(tmp_path):
     assert first["call"] == "2*3" and first["observation"] == "6"
     assert second["call"] is None and second["parsed"] == "2*3"
     assert second["observation"] == "tool call limit reached"
+
+
+def test_a_turn_reaching_max_turn_tokens_ends_the_trajectory(tmp_path):
+  """tools.max_turn_tokens caps each turn, not the trajectory: the call turn (6 tokens)
+  fits, the answer turn is cut at 7 sampled tokens with budget left (finish 'length')."""
+  def long_answer(sample_id: int, member: int, so_far: str) -> str:
+    del sample_id, member
+    return "12*34=" if "[" not in so_far else "1234567890"
+
+  with ToolExecutor(["calculator"]) as tools:
+    out = run_mode(tmp_path, "dora", step_s=0.01, script=long_answer, tool_executor=tools,
+                   steps=2, **{"tools.name": "calculator", "tools.max_turn_tokens": 7})
+  assert out.summary["integrity_violations"] == []
+  for r in out.trained:
+    (call,) = r["tool_calls"]
+    assert call["observation"] == "408" and (call["start"], call["end"]) == (6, 11)
+    # 6 call tokens + 5 observation tokens + 7 answer tokens (uncapped: 10 and EOS),
+    # under the trajectory's budget of 24.
+    assert r["num_tokens"] == 18 and r["sampled_tokens"] == 13
+
+
+def test_a_calculator_call_writes_its_expression_out():
+  from jax_dora.orchestrator.multiturn import CalculatorFormat  # pylint: disable=g-import-not-at-top
+  fmt = CalculatorFormat()
+  assert fmt.parse("so 12*34=") == "12*34"
+  assert fmt.parse("x(1+2)*3=") == "(1+2)*3"
+  assert fmt.parse("abc=") is None  # a bare '=' on a prompt without an expression: no call
+  assert fmt.parse("*=") is None and fmt.parse("no marker") is None
+  own = Prompt(0, "mul", "mul 12*34:", "408", meta={"expression": "12*34"})
+  assert fmt.parse("abc=", own) == "12*34"  # a bare '=': the prompt's own expression
+  assert fmt.parse("1*2=", own) == "1*2"  # a written expression is the call

@@ -53,10 +53,13 @@ class CallFormat(Protocol):
 class CalculatorFormat:
   """``4821*937=`` -> ``[4517277]``: the expression right before ``=``.
 
-  A bare ``=`` (no expression before it) evaluates the prompt's own expression
-  (``Prompt.meta["expression"]``, set by the ``mul`` task): a call a random
-  policy can stumble on, so the tiny model can discover that the tool pays
-  (writing the operands out exactly is too rare to ever be explored).
+  A bare ``=`` (no expression before it) evaluates the prompt's own
+  expression (``Prompt.meta["expression"]``, set by the ``mul`` task): a tool
+  call without arguments, like an agent's "run the tests". A random policy
+  writes one often enough to find out that calling pays; writing the
+  operands out exactly (also accepted) is too rare to be explored by the
+  tiny model, and a partly copied expression was measured to be trained
+  away before it could improve (issue 25's notes).
   """
 
   stop_strings: tuple[str, ...] = ("=",)
@@ -68,7 +71,7 @@ class CalculatorFormat:
     if m is None:
       return None
     if any(c.isdigit() for c in m.group(1)):
-      return m.group(1)
+      return m.group(1).strip()
     own = getattr(prompt, "meta", {}).get("expression") if prompt is not None else None
     return str(own) if own else None
 
@@ -116,10 +119,12 @@ class ToolLoop:
     max_calls: Calls per trajectory.
     max_observation_tokens: Observation ids appended per call at most.
     stop_strings: Override the format's stop strings (``tools.stop_strings``).
+    max_turn_tokens: Tokens one turn may sample (0: the trajectory's budget only).
   """
 
   def __init__(self, tool: str, executor: Any, tokenizer: Any, *, max_calls: int,
-               max_observation_tokens: int, stop_strings: tuple[str, ...] = ()):
+               max_observation_tokens: int, stop_strings: tuple[str, ...] = (),
+               max_turn_tokens: int = 0):
     self.tool = tool
     self.format = FORMATS.get(tool)
     self.executor = executor
@@ -127,6 +132,7 @@ class ToolLoop:
     self.max_calls = max_calls
     self.max_observation_tokens = max_observation_tokens
     self.stop_strings = tuple(stop_strings) or self.format.stop_strings
+    self.max_turn_tokens = int(max_turn_tokens)
 
   @classmethod
   def from_config(cls, tools: Any, executor: Any, tokenizer: Any) -> ToolLoop | None:
@@ -135,7 +141,19 @@ class ToolLoop:
       return None
     return cls(tools.name, executor, tokenizer, max_calls=tools.max_calls,
                max_observation_tokens=tools.max_observation_tokens,
-               stop_strings=tools.stop_list)
+               stop_strings=tools.stop_list, max_turn_tokens=tools.max_turn_tokens)
+
+  def turn_budget(self, turn_start: int, budget: int) -> int:
+    """The completion length the turn starting at ``turn_start`` may reach.
+
+    Without a per-turn cap one rambling turn can spend the whole budget, and
+    a policy that calls a tool then rambles scores worse than one that never
+    calls: GRPO then trains calls away before it can learn to use their
+    observations (measured on the tiny calculator workload).
+    """
+    if self.max_turn_tokens <= 0:
+      return budget
+    return min(budget, turn_start + self.max_turn_tokens)
 
   def _encode(self, text: str) -> np.ndarray:
     """``text``'s ids; characters a closed vocabulary lacks (the tiny model's) become ``?``."""
@@ -234,7 +252,8 @@ async def generate_turns(dispatcher: Any, tools: ToolLoop | None, prompt: Any,
   try:
     while True:
       try:
-        res = await dispatcher.run(prompt, prompt_tokens, member, budget, tag=tag,
+        turn_budget = tools.turn_budget(turn_start, budget) if tools else budget
+        res = await dispatcher.run(prompt, prompt_tokens, member, turn_budget, tag=tag,
                                    ignore_eos=ignore_eos, resume=partial,
                                    stop_strings=tools.stop_strings if tools else (),
                                    hold=hold if tools else "", server=server)

@@ -223,7 +223,8 @@ class Orchestrator:
       while True:
         try:
           result = await self.dispatcher.run(
-              prompt, tokens, member, budget, version=version, resume=partial,
+              prompt, tokens, member, tools.turn_budget(turn_start, budget) if tools else budget,
+              version=version, resume=partial,
               ignore_eos=ignore_eos, stop_strings=tools.stop_strings if tools else (),
               hold=hold, server=server,
           )
