@@ -21,10 +21,12 @@ def get_config():
   c.data.max_answer_len = 12
   c.data.max_prompt_len = 20
   c.rollout.max_prefill_length = 24
-  c.rollout.max_new_tokens = 64
+  c.rollout.max_new_tokens = 40
   c.model.max_seq_len = 96
   c.learner.seq_len_buckets = "64"
   c.tools.name = "calculator"
   c.tools.max_calls = 2
   c.tools.max_observation_tokens = 16
+  # The longest call ("12345678901*999=") is 16 tokens: a turn may not ramble past it.
+  c.tools.max_turn_tokens = 16
   return c

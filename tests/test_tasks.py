@@ -143,3 +143,21 @@ def test_padded_repeat_puts_a_long_passage_before_the_repeat_instruction():
   with pytest.raises(ValueError, match="no room"):
     get_task("padded_repeat", max_answer_len=2047, max_prompt_len=8).make_prompt(
         0, np.random.default_rng(0))
+
+
+def test_mul_answers_with_the_text_after_the_last_observation_or_the_observation():
+  """Program-of-thought scoring: ending right at the calculator's observation answers with
+  it; text after it is the answer instead. Scores computed by hand from the four terms."""
+  task = get_task("mul")
+  p = Prompt(0, "mul", "mul 12*34:", "408")
+  assert task.score(p, "408") == 1.0  # answered in its head
+  assert task.score(p, "12*34=[408]") == 1.0  # answered by the call
+  assert task.score(p, "x12*34=[408]408") == 1.0  # copied the observation out
+  # A partly copied call: "12*3" -> 36: length 2/3, no digit of 36 in 408, no aligned hit.
+  assert task.score(p, "12*3=[36]") == pytest.approx(0.25 * 2 / 3)
+  # Text after the observation is the answer, even a worse one: "7" -> length 1/3 only.
+  assert task.score(p, "12*34=[408]7") == pytest.approx(0.25 / 3)
+  assert task.score(p, "=[error: no tool call found before the stop marker]") < 0.25
+  for q in _prompts(task.make_prompt, 200):
+    a, b = q.text[len("mul "):-1].split("*")
+    assert int(q.answer) == int(a) * int(b) and task.score(q, f"{a}*{b}=[{q.answer}]") == 1.0

@@ -1,15 +1,20 @@
 """``mul``: multiply numbers too long for the tiny model to multiply in its head.
 
 ``"mul 4821*937:"`` -> ``"4517277"``. The multi-turn workload of the tiny
-character model (issue 25): with ``tools.name=calculator`` the policy can
-write ``4821*937=`` (or a bare ``=``, which computes the prompt's own
-expression), read ``[4517277]`` and copy it, which a 2-layer model can
-learn; without the tool it can only guess digits. The first operand's
-digit count follows the long-tailed length law, so answers (and rollouts)
-are long-tailed like the other tasks'.
+character model (issue 25). With ``tools.name=calculator`` the policy can
+call the calculator (``4821*937=``, or a bare ``=``, which evaluates the
+prompt's own expression) and the system appends ``[4517277]``. A completion
+that ends right at an observation answers with it: the program-of-thought
+convention (PAL, PoT), where the interpreter's result is the answer. A
+completion that writes text after its last observation answers with that
+text (copying the observation out is right too). Without the tool the policy
+can only guess digits.
 
-The score is the shaped score of the *final answer*: the text after the last
-tool observation (``]``), or the whole completion when no tool was called.
+So the policy has to learn, by reward alone, to write the call in its first
+turn and to stop right after the observation (end-of-sequence as the first
+token of its second turn): credit assignment across a turn whose tokens it
+did not sample. The first operand's digit count follows the long-tailed
+length law, so answers (and rollouts) are long-tailed like the other tasks'.
 """
 
 from __future__ import annotations
@@ -23,8 +28,13 @@ from jax_dora.types import Prompt
 
 
 def final_answer(completion_text: str) -> str:
-  """What the policy answered after its last tool observation."""
-  return completion_text.rsplit("]", 1)[-1]
+  """What the completion answers: the text after its last tool observation
+  (``[...]``), the observation itself when nothing follows it, or the whole
+  completion when it holds no observation."""
+  head, bracket, tail = completion_text.rpartition("]")
+  if not bracket or tail:
+    return tail
+  return head.rpartition("[")[2]
 
 
 @register
