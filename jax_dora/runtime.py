@@ -210,6 +210,7 @@ def build_tool_executor(cfg: RunConfig) -> Any:
                   memory_bytes=t.memory_mb << 20)
   return ToolExecutor([t.name], max_concurrency=t.max_concurrency,
                       extra_latency_s=t.extra_latency_s,
+                      latency_tail_alpha=t.latency_tail_alpha, seed=cfg.seed,
                       options={"python": {"limits": limits,
                                           "protected": (os.path.abspath(cfg.output_dir),)}})
 

@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 from jax_dora.registry import UnknownNameError
@@ -332,7 +333,8 @@ async def test_metrics_count_what_happened(make):
   assert {k: v for k, v in m.items() if k != "tools/wall_s_total"} == {
       "tools/calls": 6, "tools/ok": 2, "tools/errors": 2, "tools/timeouts": 1,
       "tools/memory_errors": 1, "tools/killed": 0, "tools/sandbox_errors": 0,
-      "tools/truncated": 1, "tools/unknown_tool": 1, "tools/in_flight": 0}
+      "tools/truncated": 1, "tools/unknown_tool": 1, "tools/in_flight": 0,
+      "tools/extra_latency_s_total": 0.0}
   assert m["tools/wall_s_total"] >= WALL_S
 
 
@@ -342,6 +344,22 @@ async def test_extra_latency(make):
     t0 = time.monotonic()
     r = await ex.call(ToolCall("python", "print(2)"))
   assert r.observation == "2\n" and time.monotonic() - t0 >= 0.3
+
+
+def test_long_tailed_latency_has_the_pareto_laws_mean_median_and_cap():
+  """alpha 1.5, mean 0.1 s: scale x_m = 0.1/3; median x_m * 2**(1/1.5) = 0.0529 s; a draw
+  over 1 s has probability (x_m/1)**1.5 = 0.0061; cut at 20x the mean (2 s), which lowers
+  the mean by x_m**1.5 * 2**-0.5 / 0.5 = 0.0086 s. Numbers worked out by hand."""
+  ex = ToolExecutor(["calculator"], extra_latency_s=0.1, latency_tail_alpha=1.5, seed=3)
+  draws = np.array([ex.draw_latency() for _ in range(40000)])
+  assert draws.min() >= 0.1 / 3 - 1e-12 and draws.max() <= 2.0
+  assert abs(np.median(draws) - 0.0529) < 0.002
+  assert abs(np.mean(draws > 1.0) - 0.0061) < 0.0015
+  assert abs(draws.mean() - (0.1 - 0.0086)) < 0.004
+  fixed = ToolExecutor(["calculator"], extra_latency_s=0.1)
+  assert {fixed.draw_latency() for _ in range(5)} == {0.1}
+  with pytest.raises(ValueError, match="finite mean"):
+    ToolExecutor(["calculator"], extra_latency_s=0.1, latency_tail_alpha=0.9)
 
 
 # -------------------------------------------------------------------- pieces

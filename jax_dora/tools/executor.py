@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import random
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -24,6 +25,8 @@ from jax_dora.tools.base import (ERROR, KILLED, MEMORY, OK, SANDBOX_ERROR, TIMEO
                                  ToolCall, ToolResult, make_tool)
 
 _log = logging.getLogger(__name__)
+# A modelled latency is cut at this many times its mean (an environment's own timeout).
+LATENCY_CAP = 20.0
 _MAX_WARNINGS = 5
 
 # status -> counter name under tools/.
@@ -39,6 +42,13 @@ class ToolExecutor:
     max_concurrency: Calls running at once across all tools; more wait.
     extra_latency_s: Added to every call after it finished and released its
       slot, to model a slower environment (a remote sandbox) in experiments.
+    latency_tail_alpha: 0: every call waits ``extra_latency_s``. > 1: each
+      call waits a Pareto draw of that tail exponent whose mean is
+      ``extra_latency_s``, cut at ``LATENCY_CAP`` times the mean: environment
+      latencies are long-tailed (a cold sandbox, a slow web page, code that
+      runs to its timeout), and the slowest call of a batch is what a
+      synchronous step waits for.
+    seed: Seeds the latency draws.
     options: Per tool name, keyword arguments of its constructor (e.g.
       ``{"python": {"limits": Limits(wall_s=5)}}``).
   """
@@ -49,11 +59,16 @@ class ToolExecutor:
       max_concurrency: int = 8,
       extra_latency_s: float = 0.0,
       options: dict[str, dict[str, Any]] | None = None,
+      latency_tail_alpha: float = 0.0,
+      seed: int = 0,
   ):
     if max_concurrency < 1:
       raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     if extra_latency_s < 0:
       raise ValueError(f"extra_latency_s must be >= 0, got {extra_latency_s}")
+    if latency_tail_alpha and latency_tail_alpha <= 1:
+      raise ValueError(f"latency_tail_alpha must be 0 or > 1 (a finite mean), got"
+                       f" {latency_tail_alpha}")
     options = options or {}
     self.tools: dict[str, Tool] = {}
     for t in tools:
@@ -61,6 +76,9 @@ class ToolExecutor:
       self.tools[tool.name] = tool
     self.max_concurrency = int(max_concurrency)
     self.extra_latency_s = float(extra_latency_s)
+    self.latency_tail_alpha = float(latency_tail_alpha)
+    self._latency_rng = random.Random(seed)
+    self.extra_latency_total_s = 0.0
     self.stats: collections.Counter[str] = collections.Counter()
     self.wall_s_total = 0.0
     self._semaphore: asyncio.Semaphore | None = None
@@ -87,9 +105,20 @@ class ToolExecutor:
         finally:
           self._in_flight -= 1
     self._count(call, result)
-    if self.extra_latency_s:
-      await asyncio.sleep(self.extra_latency_s)
+    wait = self.draw_latency()
+    if wait:
+      self.extra_latency_total_s += wait
+      await asyncio.sleep(wait)
     return result
+
+  def draw_latency(self) -> float:
+    """The modelled environment latency of one call (see the class doc)."""
+    if not self.extra_latency_s or not self.latency_tail_alpha:
+      return self.extra_latency_s
+    a = self.latency_tail_alpha
+    scale = self.extra_latency_s * (a - 1) / a  # Pareto(scale, a) has mean extra_latency_s
+    u = self._latency_rng.random()
+    return min(scale / (1.0 - u) ** (1.0 / a), LATENCY_CAP * self.extra_latency_s)
 
   async def call_many(self, calls: Iterable[ToolCall]) -> list[ToolResult]:
     """Many calls at once (up to the concurrency limit), results in order."""
@@ -115,6 +144,7 @@ class ToolExecutor:
     for key in sorted(set(_COUNTER.values()) | {"truncated", "unknown_tool"}):
       out[f"tools/{key}"] = self.stats[key]
     out["tools/wall_s_total"] = round(self.wall_s_total, 6)
+    out["tools/extra_latency_s_total"] = round(self.extra_latency_total_s, 6)
     out["tools/in_flight"] = self._in_flight
     return out
 
