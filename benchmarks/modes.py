@@ -80,9 +80,12 @@ from _procs import free_port  # noqa: E402  pylint: disable=wrong-import-positio
 WORKLOADS = {"long_tail": "configs/long_tail.py", "long_context": "configs/long_context.py",
              "tools": "configs/tiny_tools.py"}
 # The multi-turn workload (issue 25): its modes, and a tool latency that
-# models a slow environment (each call adds it to its trajectory's wall time).
+# models a slow environment: each call adds a long-tailed wait to its
+# trajectory's wall time (Pareto, alpha 1.5, mean 0.3 s: the slowest of a
+# 64-trajectory batch waits ~1.6 s), the tail a synchronous step waits for.
 TOOLS_MODES = ("sync", "async_unfiltered", "dora", "dora_pace")
-TOOLS_DEFAULT_OVERRIDES = ("--config.tools.extra_latency_s=0.1",)
+TOOLS_DEFAULT_OVERRIDES = ("--config.tools.extra_latency_s=0.3",
+                           "--config.tools.latency_tail_alpha=1.5")
 CONFIG = WORKLOADS["long_tail"]  # set by --workload
 ALL_MODES = ("sync", "one_step_off", "partial_rollout", "async_unfiltered", "dora", "dora_pace")
 
@@ -191,6 +194,9 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   wait = sum(r["learner_wait_s"] for r in recs[1:])  # step 1 includes the first fill
   busy = sum(r["learner_train_s"] + r["publish_s"] for r in recs[1:])
   summary["bubble_ratio"] = wait / max(wait + busy, 1e-9)
+  # Learner steps per second of training time: with a fixed batch, trained
+  # trajectories/s, the unit of a tool workload whose turns sample few tokens.
+  summary["steps_per_s"] = summary["steps"] / max(summary.get("wall_time_s") or 0.0, 1e-9)
   summary["process_s"] = time.time() - t0
   summary["mean_reward_last"] = (
       sum(r["reward_mean"] for r in recs[-10:]) / max(len(recs[-10:]), 1) if recs else float("nan")
@@ -242,6 +248,8 @@ def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str
     if ref in runs and len(runs[ref]) == len(sums):
       row["x_ref"] = ratio_spread([s["trained_tokens_per_s"] / max(r["trained_tokens_per_s"], 1e-9)
                                    for s, r in zip(sums, runs[ref])])
+      row["x_ref_steps"] = ratio_spread([s["steps_per_s"] / max(r["steps_per_s"], 1e-9)
+                                         for s, r in zip(sums, runs[ref])])
     evals = [s["final_eval_reward"] for s in sums if s.get("final_eval_reward") is not None]
     if evals:
       # Across rounds (each round has its own seed): training noise included.
@@ -356,7 +364,8 @@ def main() -> None:
     print(f"dora_pace / async_unfiltered trained tokens/s: {_fmt_spread(per_round)}")
   for m, s in rows.items():
     if s.get("tool_calls_per_trajectory") is not None:
-      print(f"{m}: {s['tool_calls_per_trajectory']:.2f} tool calls per trained trajectory")
+      print(f"{m}: {s['tool_calls_per_trajectory']:.2f} tool calls per trained trajectory,"
+            f" trained trajectories/s x sync {_fmt_spread(s.get('x_ref_steps'))}")
   if "sync" in rows:
     print(f"\nsync spends {_fmt_spread(rows['sync']['bubble'], pct=True)} of its step waiting for"
           " rollout (the learner's bubble is exactly the rollout share there).")

@@ -45,7 +45,8 @@ def test_modes_rounds_ratios_by_hand():
   import modes  # pylint: disable=g-import-not-at-top
 
   def run(tok, bubble, ev):
-    return {"steps": 10, "trained_tokens_per_s": tok, "bubble_ratio": bubble, "wasted_share": 0.0,
+    return {"steps": 10, "trained_tokens_per_s": tok, "steps_per_s": tok / 50,
+            "bubble_ratio": bubble, "wasted_share": 0.0,
             "mean_reward_last": 0.0, "reprefill_tokens": 0, "final_eval_reward": ev,
             "integrity_violations": []}
 
@@ -56,6 +57,7 @@ def test_modes_rounds_ratios_by_hand():
   # Per round 2.0, 2.0, 3.0 (the slow second round keeps its 2.0).
   assert (x["median"], x["min"], x["max"], x["n"]) == (2.0, 2.0, 3.0, 3)
   assert x["mean"] == pytest.approx(7 / 3)
+  assert rows["dora"]["x_ref_steps"]["median"] == pytest.approx(2.0)
   assert rows["sync"]["bubble"]["median"] == 0.6 and rows["sync"]["bubble"]["max"] == 0.7
   assert rows["dora"]["final_eval_reward"] == pytest.approx(0.32)
   assert rows["dora"]["final_eval_reward_stderr"] == pytest.approx(0.02 / 3 ** 0.5)

@@ -14,6 +14,7 @@ import importlib.util
 import pathlib
 
 from jax_dora.orchestrator.integrity import IntegrityLedger
+from jax_dora.evaluate import evaluate_run
 from jax_dora.runtime import run_training
 from jax_dora.tools import ToolCall, make_tool
 
@@ -57,6 +58,16 @@ def test_dora_pace_with_a_calculator_passes_the_audit(tmp_path):
         again = asyncio.run(calculator.run(ToolCall("calculator", c["call"])))
         assert again.observation == c["observation"], c
   assert summary["final_eval_reward"] is not None
+
+  # python -m jax_dora.evaluate on the finished run: its own servers, the same tool loop.
+  res = evaluate_run(cfg.output_dir, num_prompts=16)
+  texts = [x["completion"] for x in res["samples"]]
+  assert len(texts) == 16 and 0.0 <= res["eval/reward"] <= 1.0
+  called = [t for t in texts if "=[" in t]
+  assert called, "a random policy should hit '=' in some of 16 completions"
+  for t in texts:
+    # Every '=' sampled before the end got the calculator's observation right after it.
+    assert all(t[i + 1] == "[" for i, c in enumerate(t[:-1]) if c == "="), t
 
 
 def test_the_gsm8k_tool_config_runs_on_a_tiny_qwen2(hf_dirs, tmp_path):
