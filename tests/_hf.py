@@ -70,6 +70,12 @@ def model_config(kind: str, vocab_size: int, **overrides):
   elif kind == "qwen3":
     cfg = transformers.Qwen3Config(**common, head_dim=24, rope_theta=1000000.0,
                                    tie_word_embeddings=False)
+  elif kind == "qwen3_moe":
+    # Layer 0 MoE (4 experts, top-2, renormalised), layer 1 dense (mlp_only_layers).
+    cfg = transformers.Qwen3MoeConfig(
+        **common, head_dim=24, rope_theta=1000000.0, tie_word_embeddings=False,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], router_aux_loss_coef=0.01)
   else:
     raise ValueError(kind)
   for k, v in overrides.items():
@@ -98,6 +104,11 @@ def build_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0,
     for name, p in model.named_parameters():
       if "norm" in name or "bias" in name:
         p.add_(torch.randn_like(p) * 0.1)
+      if name.endswith("mlp.gate.weight"):
+        # Decisive routing: near-tied experts (the 0.02 init) could be ranked
+        # differently by float rounding, and the parity tests would compare
+        # different experts.
+        p.mul_(30.0)
   model = model.to(getattr(torch, dtype)).eval()
   model.save_pretrained(out_dir, max_shard_size="40KB" if shard else "10GB")
   for f in os.listdir(tokenizer_dir):

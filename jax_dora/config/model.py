@@ -62,6 +62,18 @@ class ModelBlock(ConfigBlock):
   attention_impl: str = field(
       "auto", "Training / prefill attention kernel: auto = cuDNN flash attention on a GPU"
       " with bfloat16/float16 activations, XLA elsewhere; xla or cudnn to force one.")
+  num_experts: int | None = field(
+      0, "Mixture-of-experts feed-forward with this many experts (Qwen3-MoE); 0 = dense.")
+  num_experts_per_tok: int | None = field(0, "Experts per token (top-k routing, no dropping).")
+  moe_d_ff: int | None = field(0, "Hidden size of one expert (HF moe_intermediate_size).")
+  norm_topk_prob: bool | None = field(False, "Renormalise the top-k router probabilities.")
+  moe_layer_step: int | None = field(
+      1, "Every this many layers is MoE (HF decoder_sparse_step).")
+  mlp_only_layers: str | None = field(
+      "", "Comma-separated layer indices that keep the dense MLP in an MoE model.")
+  router_aux_loss_coef: float | None = field(
+      0.0, "Load-balancing loss coefficient of the checkpoint (learner.moe_aux_loss_coef=-1"
+      " uses it).")
 
   def __post_init__(self):
     if self.rope_scaling is not None:
@@ -75,7 +87,11 @@ class ModelBlock(ConfigBlock):
   @property
   def architecture(self) -> dict[str, object]:
     """The architecture fields that are set (not None), for ``ModelConfig``."""
-    return {k: v for k, v in self.to_dict().items() if k != "hf_path" and v is not None}
+    out = {k: v for k, v in self.to_dict().items() if k != "hf_path" and v is not None}
+    if isinstance(out.get("mlp_only_layers"), str):
+      out["mlp_only_layers"] = tuple(
+          int(x) for x in str(out["mlp_only_layers"]).split(",") if x.strip())
+    return out
 
   def unset_fields(self) -> list[str]:
     return [k for k, v in self.to_dict().items() if v is None]

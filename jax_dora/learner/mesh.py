@@ -28,6 +28,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("norm", None),
     ("layers", None),  # the stacked-layers axis of a scanned model: every device holds every layer
+    # MoE experts [expert, embed, mlp]: Flax gives a mesh axis to the first
+    # rule that asks for it, so "mlp" (above) takes "tensor" and the experts'
+    # hidden axis is split as the dense MLP's is (tensor parallelism inside
+    # each expert); "expert" gets its own mesh axis with expert parallelism.
+    ("expert", "tensor"),
 )
 
 

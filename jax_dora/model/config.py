@@ -59,6 +59,15 @@ class ModelConfig:
     attention_impl: Kernel of the cache-free attention (training, prefill):
       ``"auto"`` (cuDNN flash attention on a GPU with 16-bit activations,
       XLA elsewhere), ``"xla"`` or ``"cudnn"``. A run choice like the dtypes.
+    num_experts: Experts of a mixture-of-experts feed-forward (Qwen3-MoE);
+      0 = every layer has the dense SwiGLU MLP.
+    num_experts_per_tok: Experts each token is routed to (top-k, dropless).
+    moe_d_ff: Hidden width of one expert (HF ``moe_intermediate_size``).
+    norm_topk_prob: Renormalise the top-k router probabilities to sum to 1.
+    moe_layer_step: Every this many layers is MoE (HF ``decoder_sparse_step``).
+    mlp_only_layers: Layers that keep the dense MLP (``d_ff``) anyway.
+    router_aux_loss_coef: The checkpoint's load-balancing loss coefficient
+      (the learner's default for ``learner.moe_aux_loss_coef``).
   """
 
   vocab_size: int
@@ -83,8 +92,16 @@ class ModelConfig:
   param_dtype: str = _BLOCK.param_dtype
   dtype: str = _BLOCK.dtype
   attention_impl: str = _BLOCK.attention_impl
+  num_experts: int = _BLOCK.num_experts
+  num_experts_per_tok: int = _BLOCK.num_experts_per_tok
+  moe_d_ff: int = _BLOCK.moe_d_ff
+  norm_topk_prob: bool = _BLOCK.norm_topk_prob
+  moe_layer_step: int = _BLOCK.moe_layer_step
+  mlp_only_layers: tuple[int, ...] = ()
+  router_aux_loss_coef: float = _BLOCK.router_aux_loss_coef
 
   def __post_init__(self):
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
     # Resolve the "0 = derived" defaults once, so every reader sees numbers.
     if self.n_kv_heads == 0:
       object.__setattr__(self, "n_kv_heads", self.n_heads)
@@ -113,6 +130,26 @@ class ModelConfig:
         jnp.dtype(getattr(self, name))
       except TypeError:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not a dtype name") from None
+    if self.num_experts < 0:
+      raise ValueError(f"model.num_experts must be >= 0, got {self.num_experts}")
+    if self.num_experts:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        raise ValueError(f"model.num_experts_per_tok={self.num_experts_per_tok} must be in"
+                         f" [1, num_experts={self.num_experts}]")
+      if self.moe_d_ff <= 0 or self.moe_layer_step < 1:
+        raise ValueError("an MoE model needs moe_d_ff > 0 and moe_layer_step >= 1")
+      bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+      if bad:
+        raise ValueError(f"model.mlp_only_layers {bad} outside [0, n_layers={self.n_layers})")
+
+  def is_moe_layer(self, layer: int) -> bool:
+    """Whether block ``layer`` has the mixture-of-experts feed-forward (transformers' rule)."""
+    return (self.num_experts > 0 and layer not in self.mlp_only_layers
+            and (layer + 1) % self.moe_layer_step == 0)
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
 
   @property
   def jnp_dtype(self) -> jnp.dtype:
@@ -140,6 +177,8 @@ class ModelConfig:
     """
     d = dict(cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg)
     d.pop("hf_path", None)
+    if isinstance(d.get("mlp_only_layers"), str):  # the run config's comma-separated form
+      d["mlp_only_layers"] = tuple(int(x) for x in d["mlp_only_layers"].split(",") if x.strip())
     d = {k: v for k, v in d.items() if v is not None}
     if vocab_size is not None:
       d["vocab_size"] = vocab_size

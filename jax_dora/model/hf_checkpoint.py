@@ -18,6 +18,7 @@ each process reads only its own devices' slices.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,7 +32,7 @@ import numpy as np
 from jax_dora.config.model import RUN_LEVEL_FIELDS
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.families import Family, TensorMap, get_family
-from jax_dora.model.families.base import UnsupportedCheckpointError
+from jax_dora.model.families.base import UnsupportedCheckpointError, stacked_shapes
 
 _log = logging.getLogger(__name__)
 
@@ -223,7 +224,10 @@ def load_params(ckpt: HFCheckpoint, cfg: ModelConfig, shardings: Any) -> dict[st
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 
   maps = check_tensor_names(ckpt, cfg)
-  by_path = {m.path: m for m in maps}
+  shapes = stacked_shapes(maps)
+  by_path: dict[tuple[str, ...], list[TensorMap]] = collections.defaultdict(list)
+  for m in maps:
+    by_path[m.path].append(m)
   single = isinstance(shardings, jax.sharding.Sharding)
   if not single:
     ours = set(_paths(shardings))
@@ -232,43 +236,62 @@ def load_params(ckpt: HFCheckpoint, cfg: ModelConfig, shardings: Any) -> dict[st
           f"the {ckpt.family.name} tensor map and the model's params differ:"
           f" {sorted(ours ^ set(by_path))[:5]} (a bug in the family module)")
   dtype = cfg.jnp_param_dtype
-  by_file: dict[str, list[TensorMap]] = collections.defaultdict(list)
-  for m in maps:
-    by_file[ckpt.weight_map[m.hf_name]].append(m)
   params: dict[str, Any] = {}
-  for file in sorted(by_file):
-    full = ckpt.shard_path(file)
-    try:
-      with safe_open(full, "numpy") as f:
-        for m in by_file[file]:
-          sl = f.get_slice(m.hf_name)
-          shape = tuple(int(d) for d in sl.get_shape())
-          if shape != m.layout.hf_shape:
-            raise CheckpointError(
-                f"{full}: tensor {m.hf_name} has shape {shape}, but config.json implies"
-                f" {m.layout.hf_shape}")
-          sharding = shardings if single else _tree_get(shardings, m.path)
+  with contextlib.ExitStack() as files:
+    handles: dict[str, Any] = {}
 
-          # Devices holding the same slice (replicas over data / slot axes)
-          # share one read of it.
-          slices: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+    def tensor(m: TensorMap) -> Any:
+      """The lazy safetensors slice of ``m``'s tensor, its shape checked."""
+      file = ckpt.weight_map[m.hf_name]
+      full = ckpt.shard_path(file)
+      try:
+        if file not in handles:
+          handles[file] = files.enter_context(safe_open(full, "numpy"))
+        sl = handles[file].get_slice(m.hf_name)
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        raise CheckpointError(f"shard {full} could not be read: {type(e).__name__}: {e}") from e
+      shape = tuple(int(d) for d in sl.get_shape())
+      if shape != m.layout.hf_shape:
+        raise CheckpointError(
+            f"{full}: tensor {m.hf_name} has shape {shape}, but config.json implies"
+            f" {m.layout.hf_shape}")
+      return sl
 
-          def read(index, sl=sl, layout=m.layout, slices=slices):
-            key = tuple(s.indices(n)[:2] for s, n in zip(index, layout.shape))
-            if key not in slices:
-              # Convert while the block is still in the file's (contiguous)
-              # layout, and never when the dtype already matches: our
-              # transpose and head split then stay numpy views, which
-              # device_put hands to PJRT as strided buffers; its transpose
-              # runs several times faster than a numpy copy of the view.
-              slices[key] = layout.read_slice(
-                  lambda i, sl=sl: np.asarray(sl[i]).astype(dtype, copy=False), index)
-            return slices[key]
+    for path in sorted(by_path):
+      parts = sorted(by_path[path], key=lambda m: -1 if m.index is None else m.index)
+      slices_of = [tensor(m) for m in parts]
+      sharding = shardings if single else _tree_get(shardings, path)
+      # Devices holding the same slice (replicas over data / slot axes) share one read of it.
+      cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
-          _tree_set(params, m.path, jax.make_array_from_callback(m.layout.shape, sharding, read))
-    except CheckpointError:
-      raise
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      raise CheckpointError(f"shard {full} could not be read: {type(e).__name__}: {e}") from e
-    _log.debug("loaded %d tensors from %s", len(by_file[file]), full)
+      def read_one(m: TensorMap, sl: Any, index: tuple[slice, ...]) -> np.ndarray:
+        # Convert while the block is still in the file's (contiguous) layout,
+        # and never when the dtype already matches: our transpose and head
+        # split then stay numpy views, which device_put hands to PJRT as
+        # strided buffers; its transpose runs several times faster than a
+        # numpy copy of the view.
+        return m.layout.read_slice(lambda i: np.asarray(sl[i]).astype(dtype, copy=False), index)
+
+      def read(index, parts=parts, slices_of=slices_of, cache=cache, shape=shapes[path]):
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        if key not in cache:
+          try:
+            if parts[0].index is None:
+              cache[key] = read_one(parts[0], slices_of[0], index)
+            else:  # stacked experts: read only this device's experts
+              lo, hi = key[0]
+              cache[key] = np.stack([read_one(parts[x], slices_of[x], tuple(index[1:]))
+                                     for x in range(lo, hi)])
+          except CheckpointError:
+            raise
+          except Exception as e:  # pylint: disable=broad-exception-caught
+            raise CheckpointError(f"{ckpt.path}: tensor {parts[0].hf_name} could not be read:"
+                                  f" {type(e).__name__}: {e}") from e
+        return cache[key]
+
+      if parts[0].index is not None and [m.index for m in parts] != list(range(len(parts))):
+        raise ValueError(f"{path}: expert tensors {[m.index for m in parts]} are not 0..n-1"
+                         " (a bug in the family module)")
+      _tree_set(params, path, jax.make_array_from_callback(shapes[path], sharding, read))
+    _log.debug("loaded %d tensors from %s", len(maps), ckpt.path)
   return params

@@ -13,6 +13,7 @@ the end, so an interrupted export never leaves something that looks complete.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -99,8 +100,20 @@ def export_hf(
   try:
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for m in family.tensors(cfg):
-      hf = m.layout.to_hf(_host(_tree_get(params, m.path))).astype(np_dtype)
+    maps = family.tensors(cfg)
+    # Expert tensors are slices of one stacked param: fetch it to host once.
+    pending = collections.Counter(m.path for m in maps if m.index is not None)
+    stacked: dict[tuple[str, ...], np.ndarray] = {}
+    for m in maps:
+      if m.index is None:
+        hf = m.layout.to_hf(_host(_tree_get(params, m.path))).astype(np_dtype)
+      else:
+        if m.path not in stacked:
+          stacked[m.path] = _host(_tree_get(params, m.path))
+        hf = m.layout.to_hf(stacked[m.path][m.index]).astype(np_dtype)
+        pending[m.path] -= 1
+        if not pending[m.path]:
+          del stacked[m.path]
       if size and size + hf.nbytes > max_shard_bytes:
         shards.append({})
         size = 0

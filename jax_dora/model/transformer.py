@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.kv_cache import KVCache
+from jax_dora.model.moe import MoE
 from jax_dora.model.rope import apply_rope
 
 # Finite "minus infinity": a fully masked row (e.g. a padded query) then gives
@@ -321,21 +322,27 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block; ``mode`` as in :class:`Attention`."""
+  """Pre-norm residual block; ``mode`` as in :class:`Attention`; ``moe``: the
+  feed-forward is the mixture of experts (``jax_dora.model.moe``)."""
 
   cfg: ModelConfig
   mode: str = "train"
   decode_attention: str = "blocked"
   attention_block: int = 0
   kv_bound: int | None = None
+  moe: bool = False
 
   @nn.compact
-  def __call__(self, x, positions, mask=None, cache=None, rows=None, layer=0):
+  def __call__(self, x, positions, mask=None, cache=None, rows=None, valid=None, layer=0):
     h, kv = Attention(self.cfg, self.mode, self.decode_attention, self.attention_block,
                       self.kv_bound, name="attn")(
                           _rms_norm(self.cfg, "attn_norm")(x), positions, mask, cache, rows, layer)
     x = x + h
-    x = x + MLP(self.cfg, name="mlp")(_rms_norm(self.cfg, "mlp_norm")(x))
+    normed = _rms_norm(self.cfg, "mlp_norm")(x)
+    if self.moe:
+      x = x + MoE(self.cfg, name="mlp")(normed, valid)
+    else:
+      x = x + MLP(self.cfg, name="mlp")(normed)
     return x, kv
 
 
@@ -430,6 +437,7 @@ class Transformer(nn.Module):
       positions: jax.Array,
       attention_mask: jax.Array | None = None,
       return_hidden: bool = False,
+      token_mask: jax.Array | None = None,
   ) -> jax.Array:
     """Training / scoring: the full sequence, causal attention.
 
@@ -442,12 +450,15 @@ class Transformer(nn.Module):
         instead of logits. With a 150k vocabulary ``[B,T,V]`` float32 logits
         are the largest tensor of a step: the learner computes log-probs
         from the hidden states in chunks (``jax_dora.model.logits``).
+      token_mask: ``[B,T]``, real tokens: what an MoE model's router
+        statistics (``intermediates``) count; attention is unaffected.
 
     Returns:
       float32 ``logits[B,T,V]``, or the hidden states.
     """
     mask = None if attention_mask is None else attention_mask.astype(bool)
-    out, _ = self._forward("train", tokens, positions, mask=mask, return_hidden=return_hidden)
+    out, _ = self._forward("train", tokens, positions, mask=mask, return_hidden=return_hidden,
+                           valid=token_mask)
     return out
 
   def prefill(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, KVCache]:
@@ -510,6 +521,7 @@ class Transformer(nn.Module):
       rows: jax.Array | None = None,
       kv_bound: int | None = None,
       return_hidden: bool = False,
+      valid: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """The layers every path shares; ``mode`` (static) picks the attention."""
     cfg = self.cfg
@@ -542,16 +554,23 @@ class Transformer(nn.Module):
     if self.scan_layers:
       # One block compiled, run n_layers times over params stacked on a
       # leading "layers" axis; the layer index drives the decode cache read.
+      kinds = {cfg.is_moe_layer(i) for i in range(cfg.n_layers)}
+      if len(kinds) > 1:
+        raise ValueError("scan_layers needs every layer alike: this MoE model mixes dense"
+                         f" (mlp_only_layers / moe_layer_step) and MoE layers {cfg.moe_layers}")
       scanned = nn.scan(
-          block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+          block_cls, variable_axes={"params": 0, "intermediates": 0},
+          split_rngs={"params": True},
+          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
           length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      x, kv = scanned(*block_args, name="layers")(
-          x, positions, mask, layer_cache, rows, jnp.arange(cfg.n_layers, dtype=jnp.int32))
+      x, kv = scanned(*block_args, moe=kinds.pop(), name="layers")(
+          x, positions, mask, layer_cache, rows, valid,
+          jnp.arange(cfg.n_layers, dtype=jnp.int32))
     else:
       per_layer = []
       for i in range(cfg.n_layers):
-        x, kv = block_cls(*block_args, name=f"layers_{i}")(x, positions, mask, layer_cache, rows, i)
+        x, kv = block_cls(*block_args, moe=cfg.is_moe_layer(i), name=f"layers_{i}")(
+            x, positions, mask, layer_cache, rows, valid, i)
         per_layer.append(kv)
       kv = None if per_layer[0] is None else tuple(jnp.stack(t) for t in zip(*per_layer))
 

@@ -315,7 +315,10 @@ class DoraEngine(engine_api.Engine):
     tp = int(tensor_parallel)
     if tp < 1 or len(devices) % tp:
       raise ValueError(f"tensor_parallel={tp} does not divide the server's {len(devices)} devices")
-    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    split = ("n_heads", "n_kv_heads", "d_ff", "vocab_size")
+    if model_cfg.num_experts:
+      split += ("num_experts",)  # an MoE layer's experts are divided among the chips
+    for name in split:
       if getattr(model_cfg, name) % tp:
         raise ValueError(f"model.{name}={getattr(model_cfg, name)} is not divisible by"
                          f" rollout.tensor_parallel={tp}")
@@ -358,8 +361,13 @@ class DoraEngine(engine_api.Engine):
   # ---------------------------------------------------------------- placement
   def _param_sharding(self, stacked: bool) -> Params:
     """Per-param shardings: model-parallel axes over ``"tensor"``, the rest
-    replicated; ``stacked``: of the scanned layout (``stack_layers``)."""
-    rules = tuple((name, self._heads_axis) for name in ("vocab", "heads", "kv_heads", "mlp"))
+    replicated; ``stacked``: of the scanned layout (``stack_layers``).
+
+    An MoE layer's experts are split over the chips (``expert`` first: a
+    mesh axis is used once per array, so an expert's own ``mlp`` axis then
+    stays whole on its chip, and each chip runs its own experts' matmuls)."""
+    rules = tuple((name, self._heads_axis)
+                  for name in ("vocab", "heads", "kv_heads", "expert", "mlp"))
     rules += tuple((name, None) for name in ("embed", "kv", "norm", "layers"))
     specs = param_logical_specs(self.model_cfg)
     if stacked:

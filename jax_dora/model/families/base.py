@@ -106,9 +106,18 @@ class TensorLayout:
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
+  """One checkpoint tensor and where it lives in our params.
+
+  ``index``: the checkpoint stores one tensor per expert
+  (``mlp.experts.{e}.gate_proj.weight``) where we stack them on a leading
+  ``expert`` axis; the tensor is ``param[index]`` (``layout`` describes that
+  slice). ``None``: the tensor is the whole param.
+  """
+
   hf_name: str
   path: ParamPath
   layout: TensorLayout
+  index: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +149,36 @@ def _linear(cfg_shape: tuple[int, ...], groups: tuple[int, ...]) -> TensorLayout
   return TensorLayout(cfg_shape, groups, transpose=True)
 
 
+def moe_tensors(cfg: ModelConfig, layer: int) -> list[TensorMap]:
+  """A Qwen3-MoE layer's feed-forward: the router and each expert's three projections."""
+  d, e, f = cfg.d_model, cfg.num_experts, cfg.moe_d_ff
+  pre, us = f"model.layers.{layer}.mlp.", (f"layers_{layer}", "mlp")
+  out = [TensorMap(pre + "gate.weight", (*us, "router", "kernel"), _linear((d, e), (1, 1)))]
+  for x in range(e):
+    ex = f"{pre}experts.{x}."
+    out += [
+        TensorMap(ex + "gate_proj.weight", (*us, "wi_0"), _linear((d, f), (1, 1)), index=x),
+        TensorMap(ex + "up_proj.weight", (*us, "wi_1"), _linear((d, f), (1, 1)), index=x),
+        TensorMap(ex + "down_proj.weight", (*us, "wo"), _linear((f, d), (1, 1)), index=x),
+    ]
+  return out
+
+
+def stacked_shapes(maps: Sequence[TensorMap]) -> dict[ParamPath, tuple[int, ...]]:
+  """Each param's shape: a layout's, or ``(n,) + layout`` for ``n`` indexed tensors."""
+  out: dict[ParamPath, tuple[int, ...]] = {}
+  counts: dict[ParamPath, int] = {}
+  for m in maps:
+    if m.index is None:
+      out[m.path] = m.layout.shape
+    else:
+      counts[m.path] = max(counts.get(m.path, 0), m.index + 1)
+      out[m.path] = (counts[m.path], *m.layout.shape)
+  return out
+
+
 def llama_style_tensors(cfg: ModelConfig) -> list[TensorMap]:
-  """The tensors of a Llama / Qwen2 / Qwen3 checkpoint for ``cfg``."""
+  """The tensors of a Llama / Qwen2 / Qwen3 (and Qwen3-MoE) checkpoint for ``cfg``."""
   d, h, kvh, k, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                         cfg.vocab_size)
   out = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), TensorLayout((v, d), (1, 1)))]
@@ -156,10 +193,18 @@ def llama_style_tensors(cfg: ModelConfig) -> list[TensorMap]:
         TensorMap(attn + "o_proj.weight", (us, "attn", "out", "kernel"), _linear((h, k, d), (2, 1))),
         TensorMap(pre + "post_attention_layernorm.weight", (us, "mlp_norm", "scale"),
                   TensorLayout((d,), (1,))),
-        TensorMap(pre + "mlp.gate_proj.weight", (us, "mlp", "wi_0", "kernel"), _linear((d, f), (1, 1))),
-        TensorMap(pre + "mlp.up_proj.weight", (us, "mlp", "wi_1", "kernel"), _linear((d, f), (1, 1))),
-        TensorMap(pre + "mlp.down_proj.weight", (us, "mlp", "wo", "kernel"), _linear((f, d), (1, 1))),
     ]
+    if cfg.is_moe_layer(i):
+      out += moe_tensors(cfg, i)
+    else:
+      out += [
+          TensorMap(pre + "mlp.gate_proj.weight", (us, "mlp", "wi_0", "kernel"),
+                    _linear((d, f), (1, 1))),
+          TensorMap(pre + "mlp.up_proj.weight", (us, "mlp", "wi_1", "kernel"),
+                    _linear((d, f), (1, 1))),
+          TensorMap(pre + "mlp.down_proj.weight", (us, "mlp", "wo", "kernel"),
+                    _linear((f, d), (1, 1))),
+      ]
     if cfg.qkv_bias:
       out += [
           TensorMap(attn + "q_proj.bias", (us, "attn", "query", "bias"), TensorLayout((h, k), (2,))),
