@@ -18,6 +18,10 @@ class LearnerConfig(ConfigBlock):
 
   learning_rate: float = field(3e-3, "Peak AdamW learning rate.")
   warmup_steps: int = field(5, "Linear warm-up steps of the learning rate.")
+  moe_aux_loss_coef: float = field(
+      -1.0, "MoE load-balancing loss coefficient (transformers' formula); -1 = the"
+      " checkpoint's router_aux_loss_coef (model.router_aux_loss_coef).")
+  moe_z_loss_coef: float = field(0.0, "MoE router z-loss coefficient (ST-MoE); 0 = off.")
   weight_decay: float = field(0.0, "AdamW weight decay.")
   grad_clip: float = field(1.0, "Global gradient-norm clip.")
   group_size: int = field(8, "G: completions per prompt (GRPO group).")
@@ -95,6 +99,10 @@ class LearnerConfig(ConfigBlock):
 
     if self.group_size < 2:
       self.fail("group_size", "must be >= 2 for GRPO advantages")
+    if self.moe_aux_loss_coef < 0 and self.moe_aux_loss_coef != -1:
+      self.fail("moe_aux_loss_coef", "must be >= 0, or -1 for the checkpoint's coefficient")
+    if self.moe_z_loss_coef < 0:
+      self.fail("moe_z_loss_coef", "must be >= 0")
     if self.groups_per_step < 1:
       self.fail("groups_per_step", "must be >= 1")
     for key, registry in (("loss", losses.OBJECTIVES), ("is_correction", losses.CORRECTIONS),

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jax_dora.config.learner import LearnerConfig
 from jax_dora.learner.batching import parse_buckets
 from jax_dora.learner.length_groups import plan_micro_batches, take_micro_batch
+from jax_dora.learner.router_losses import router_losses, router_stats
 from jax_dora.learner.losses import (
   BatchTotals,
   LossSettings,
@@ -149,6 +150,9 @@ class Learner:
     self.tx = make_optimizer(cfg)
     self.use_ref = cfg.kl_coef > 0.0
     self.loss_settings = LossSettings.from_config(cfg, default_norm_length=model_cfg.max_seq_len)
+    # -1: the checkpoint's own coefficient (ModelConfig.router_aux_loss_coef).
+    self.moe_aux_loss_coef = (model_cfg.router_aux_loss_coef if cfg.moe_aux_loss_coef < 0
+                              else cfg.moe_aux_loss_coef)
     self.ppo_minibatches = cfg.ppo_minibatches
     self.group_by_length = cfg.group_micro_batches_by_length
     if self.group_by_length and self.micro_batch <= 0:
@@ -235,11 +239,28 @@ class Learner:
 
   # -- training -------------------------------------------------------------
   def _token_logprobs(self, params, batch) -> jax.Array:
-    hidden = self.model.apply(
-        {"params": params}, batch["inputs"], batch["positions"], return_hidden=True)
-    return chunked_token_logprobs(
+    return self._token_logprobs_and_router(params, batch, router=False)[0]
+
+  def _token_logprobs_and_router(self, params, batch, router: bool = True
+                                 ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+    """Target log-probs and, for an MoE policy (``router``), its router statistics.
+
+    The router counts a row's real tokens: its inputs up to its last trained
+    target (rows are right-padded; a row with nothing trained adds nothing).
+    """
+    moe = router and self.model_cfg.num_experts > 0
+    if moe:
+      real = jnp.flip(jnp.cumsum(jnp.flip(batch["mask"], -1), -1), -1) > 0
+      hidden, inter = self.model.apply(
+          {"params": params}, batch["inputs"], batch["positions"], return_hidden=True,
+          token_mask=real, mutable=["intermediates"])
+    else:
+      hidden = self.model.apply(
+          {"params": params}, batch["inputs"], batch["positions"], return_hidden=True)
+    logp = chunked_token_logprobs(
         hidden, head_weight(self.model_cfg, params), batch["targets"],
         temperature=self.temperature, mask=self.suppress_mask, chunk=self.logprob_chunk)
+    return logp, (router_stats(inter) if moe else None)
 
   def _trained_logprobs(self, params, batch) -> jax.Array:
     """Log-probs of the target tokens, 0 where the mask is 0.
@@ -249,7 +270,8 @@ class Learner:
     return jnp.where(batch["mask"] > 0, self._token_logprobs(params, batch), 0.0)
 
   def _loss(self, params, batch, ref_params, totals: BatchTotals):
-    logp = self._trained_logprobs(params, batch)
+    logp, stats = self._token_logprobs_and_router(params, batch)
+    logp = jnp.where(batch["mask"] > 0, logp, 0.0)  # as _trained_logprobs
     ref_logp = None
     if ref_params is not None:
       ref_logp = jax.lax.stop_gradient(self._trained_logprobs(ref_params, batch))
@@ -268,7 +290,19 @@ class Learner:
         totals=totals,
         ref_logprobs=ref_logp,
     )
-    return out.loss, out.metrics
+    if stats is None:
+      return out.loss, out.metrics
+    # A micro-batch's share of the rows: summed over micro-batches, the router
+    # terms are their row-weighted mean (one batch: weight 1).
+    share = batch["mask"].shape[0] / totals.rows
+    terms, moe_metrics = router_losses(stats, self.model_cfg.num_experts_per_tok,
+                                       self.model_cfg.moe_layers)
+    loss = out.loss + share * (self.moe_aux_loss_coef * terms["load_balance"]
+                               + self.cfg.moe_z_loss_coef * terms["z_loss"])
+    metrics = dict(out.metrics)
+    for k, v in moe_metrics.items():
+      metrics[k] = v if k.endswith("_max") else share * v
+    return loss, metrics
 
   @staticmethod
   def _interleave(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
