@@ -281,6 +281,11 @@ def _fmt_spread(sp: dict | None, pct: bool = False) -> str:
   return f"{f(sp['median'])} [{f(sp['min'])}-{f(sp['max'])}]"
 
 
+def _or_nan(v: float | None) -> float:
+  """A missing value prints as nan; a standard error of 0 (every seed agreed) as 0."""
+  return float("nan") if v is None else v
+
+
 def print_table(rows: dict[str, dict]) -> None:
   print(f"{'mode':<18}{'steps':>6}{'tok/s':>8}{'x sync [range]':>18}{'bubble [range]':>17}"
         f"{'wasted':>8}{'eval R':>8}{'± se':>7}{'train R':>8}{'re-prefill':>11}{'violations':>11}")
@@ -291,7 +296,7 @@ def print_table(rows: dict[str, dict]) -> None:
         f"{_fmt_spread(s.get('x_ref')):>18}{_fmt_spread(s['bubble'], pct=True):>17}"
         f"{s['wasted_share']:>8.1%}"
         f"{(ev if ev is not None else float('nan')):>8.3f}"
-        f"{(s.get('final_eval_reward_stderr') or float('nan')):>7.3f}"
+        f"{_or_nan(s.get('final_eval_reward_stderr')):>7.3f}"
         f"{s['mean_reward_last']:>8.3f}{s['reprefill_tokens']:>11.0f}"
         f"{len(s['integrity_violations']):>11}"
     )
