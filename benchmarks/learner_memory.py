@@ -1,4 +1,4 @@
-"""Learner peak memory: chunked log-probs (and micro-batches, remat) vs full logits.
+"""Learner peak memory: chunked log-probs (and micro-batches, remat) vs full logits; an MoE case.
 
 Usage::
 
@@ -64,6 +64,9 @@ def main(argv=None) -> dict[str, dict[str, float]]:
   ap.add_argument("--chunk", type=int, default=256)
   ap.add_argument("--d_model", type=int, default=256)
   ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--experts", type=int, default=16,
+                  help="MoE case: experts per layer (0 = no MoE case)")
+  ap.add_argument("--top_k", type=int, default=4, help="MoE case: experts per token")
   args = ap.parse_args(argv)
 
   model_cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
@@ -102,7 +105,48 @@ def main(argv=None) -> dict[str, dict[str, float]]:
   print(f"chunked, predicted: {predicted:.2f} GiB = {naive / predicted:.1f}x below naive;"
         f" measured: {results[names[1]]['temp']:.2f} GiB = {naive / results[names[1]]['temp']:.1f}x")
   results["model"] = {"A": a, "k": k, "predicted_chunked_temp": predicted}
+  if args.experts:
+    results.update(moe_case(model_cfg, args, c, micro))
   return results
+
+
+def moe_case(dense: ModelConfig, args, chunk: int, micro: int) -> dict[str, dict[str, float]]:
+  """An MoE model against the dense model of the same active FFN width, both chunked.
+
+  Two predictions of what MoE adds to the step's temporaries, per MoE layer,
+  float32, for ``N`` tokens routed to ``k`` of ``E`` experts of width ``F``:
+
+  * a native grouped matmul (the TPU/GPU kernels ``ragged_dot`` lowers to):
+    the expert activations ``[N*k, F]`` weigh what the dense model's
+    ``[N, k*F]`` do; MoE adds the routed token copy and the expert outputs
+    before the weighted sum (``2 x [N*k, D]``) and the router's ``[N, E]``
+    logits and probabilities;
+  * XLA:CPU, which expands ``ragged_dot`` into one masked copy of its left
+    operand per expert followed by a dense dot (measured: a ``[4096, 64] x
+    [16, 64, 32]`` ragged dot holds 16 MiB of temporaries = 16 x the 1 MiB
+    operand): ``E x [N*k, D]`` twice (gate, up) and ``E x [N*k, F]`` (down).
+  """
+  e, k = args.experts, args.top_k
+  f = dense.d_ff // k
+  moe = dataclasses.replace(dense, num_experts=e, num_experts_per_tok=k, moe_d_ff=f)
+  b, t, d = args.rows, args.seq_len - 1, dense.d_model
+  n = b * t
+  kw = dict(logprob_chunk_size=chunk)
+  out = {f"dense FFN {dense.d_ff} (chunked)": measure(dense, b, args.seq_len, **kw),
+         f"MoE {e} experts x {f}, top-{k} (chunked)": measure(moe, b, args.seq_len, **kw)}
+  (dn, dr), (mn, mr) = out.items()
+  native = dense.n_layers * 4 * (2 * n * k * d + 2 * n * e) / GIB
+  cpu = dense.n_layers * 4 * e * n * k * (2 * d + f) / GIB
+  measured = mr["temp"] - dr["temp"]
+  print(f"MoE case: {e} experts of width {f}, top-{k} (active FFN width {k * f} = the dense"
+        f" model's {dense.d_ff}); extra temporaries predicted: {native:.3f} GiB with a native"
+        f" grouped matmul, {cpu:.3f} GiB with XLA:CPU's per-expert expansion of ragged_dot")
+  print(f"{dn:<34} {dr['temp']:>9.3f} GiB temp {dr['peak']:>9.3f} GiB peak")
+  print(f"{mn:<34} {mr['temp']:>9.3f} GiB temp {mr['peak']:>9.3f} GiB peak"
+        f"  (measured extra {measured:+.3f} GiB on {jax.devices()[0].platform})")
+  del micro
+  return {"moe": {"dense_temp": dr["temp"], "moe_temp": mr["temp"], "predicted_native": native,
+                  "predicted_cpu_expansion": cpu, "dense_peak": dr["peak"], "moe_peak": mr["peak"]}}
 
 
 if __name__ == "__main__":
