@@ -76,6 +76,12 @@ def model_config(kind: str, vocab_size: int, **overrides):
         **common, head_dim=24, rope_theta=1000000.0, tie_word_embeddings=False,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[1], router_aux_loss_coef=0.01)
+  elif kind == "qwen2_moe":
+    # Both layers MoE: 4 experts, top-2 (not renormalised), a shared expert of width 48.
+    cfg = transformers.Qwen2MoeConfig(
+        **common, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
   else:
     raise ValueError(kind)
   for k, v in overrides.items():

@@ -25,7 +25,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
-  """``{"tokenizer": dir, "llama"|"qwen2"|"qwen3"|"qwen3_moe": model dir, "qwen2_b": a second qwen2}``.
+  """``{"tokenizer": dir, "llama"|"qwen2"|"qwen3"|"qwen3_moe"|"qwen2_moe": model dir, "qwen2_b": a second qwen2}``.
 
   Built once per session with ``transformers`` (see ``_hf``).
   """
@@ -34,7 +34,7 @@ def hf_dirs(tmp_path_factory):
   root = tmp_path_factory.mktemp("hf")
   tok = _hf.build_tokenizer(str(root / "tokenizer"))
   out = {"tokenizer": tok}
-  for kind in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+  for kind in ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
     d = str(root / kind)
     _hf.build_model(kind, d, tok, seed=1)
     out[kind] = d

@@ -1,4 +1,4 @@
-"""Imported Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints against ``transformers``' reference models.
+"""Imported Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE checkpoints against ``transformers``' reference models.
 
 The oracle is the independent implementation: the same weights run through
 ``transformers`` (CPU torch, float32). Our side goes through the real import
@@ -35,7 +35,7 @@ from jax_dora.model.hf_export import export_hf
 from jax_dora.model.hf_tokenizer import HFTokenizer
 from jax_dora.rollout.engine import DoraEngine, MultiVersionParams
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 
 
 def _torch_model(path):
@@ -146,7 +146,7 @@ def test_engine_decode_matches_transformers_for_four_live_versions(hf_dirs, fami
     assert not set(toks) & set(never)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2_moe"])
 def test_import_export_round_trip_is_bit_exact_and_transformers_loads_it(hf_dirs, tmp_path, family):
   src = str(tmp_path / "bf16")
   _hf.build_model(family, src, hf_dirs["tokenizer"], seed=3, dtype="bfloat16", shard=False)

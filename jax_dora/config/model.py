@@ -74,6 +74,8 @@ class ModelBlock(ConfigBlock):
   router_aux_loss_coef: float | None = field(
       0.0, "Load-balancing loss coefficient of the checkpoint (learner.moe_aux_loss_coef=-1"
       " uses it).")
+  shared_expert_d_ff: int | None = field(
+      0, "Width of Qwen2-MoE's sigmoid-gated shared expert; 0 = none.")
 
   def __post_init__(self):
     if self.rope_scaling is not None:

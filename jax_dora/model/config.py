@@ -68,6 +68,8 @@ class ModelConfig:
     mlp_only_layers: Layers that keep the dense MLP (``d_ff``) anyway.
     router_aux_loss_coef: The checkpoint's load-balancing loss coefficient
       (the learner's default for ``learner.moe_aux_loss_coef``).
+    shared_expert_d_ff: Width of Qwen2-MoE's shared expert, a dense SwiGLU
+      every token passes through, scaled by a sigmoid gate; 0 = none.
   """
 
   vocab_size: int
@@ -99,6 +101,7 @@ class ModelConfig:
   moe_layer_step: int = _BLOCK.moe_layer_step
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = _BLOCK.router_aux_loss_coef
+  shared_expert_d_ff: int = _BLOCK.shared_expert_d_ff
 
   def __post_init__(self):
     object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -136,8 +139,9 @@ class ModelConfig:
       if not 1 <= self.num_experts_per_tok <= self.num_experts:
         raise ValueError(f"model.num_experts_per_tok={self.num_experts_per_tok} must be in"
                          f" [1, num_experts={self.num_experts}]")
-      if self.moe_d_ff <= 0 or self.moe_layer_step < 1:
-        raise ValueError("an MoE model needs moe_d_ff > 0 and moe_layer_step >= 1")
+      if self.moe_d_ff <= 0 or self.moe_layer_step < 1 or self.shared_expert_d_ff < 0:
+        raise ValueError("an MoE model needs moe_d_ff > 0, moe_layer_step >= 1 and"
+                         " shared_expert_d_ff >= 0")
       bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
       if bad:
         raise ValueError(f"model.mlp_only_layers {bad} outside [0, n_layers={self.n_layers})")

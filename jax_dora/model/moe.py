@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dora.model.config import ModelConfig
+from jax_dora.model.mlp import MLP
 
 # The name of the per-layer record in the ``intermediates`` collection.
 ROUTER_STATS = "router_stats"
@@ -104,10 +105,18 @@ class MoE(nn.Module):
     wi_0 = expert_param("wi_0", (e, d, f), ("expert", "embed", "mlp"))
     wi_1 = expert_param("wi_1", (e, d, f), ("expert", "embed", "mlp"))
     wo = expert_param("wo", (e, f, d), ("expert", "mlp", "embed"))
-    del init
     out = grouped_swiglu(x.reshape(b * t, d), ids, weights.astype(x.dtype), wi_0, wi_1, wo)
     self._sow_stats(flat_logits, ids, None if valid is None else valid.reshape(-1))
-    return out.reshape(b, t, d)
+    out = out.reshape(b, t, d)
+    if cfg.shared_expert_d_ff:
+      # Qwen2-MoE: a dense expert every token passes through, scaled by a
+      # sigmoid gate of the token (``mlp.shared_expert``, ``mlp.shared_expert_gate``).
+      shared = MLP(cfg, cfg.shared_expert_d_ff, name="shared_expert")(x)
+      gate = nn.Dense(1, use_bias=False, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+                      kernel_init=nn.with_logical_partitioning(init, ("embed", "norm")),
+                      name="shared_expert_gate")(x)
+      out = out + nn.sigmoid(gate) * shared
+    return out
 
   def _sow_stats(self, logits: jax.Array, ids: jax.Array, valid: jax.Array | None) -> None:
     """Per-layer sums for the auxiliary losses and the load metrics (masked to real tokens)."""

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.kv_cache import KVCache
+from jax_dora.model.mlp import MLP
 from jax_dora.model.moe import MoE
 from jax_dora.model.rope import apply_rope
 
@@ -293,32 +294,6 @@ class Attention(nn.Module):
         name="out",
     )(ctx)
     return out, kv
-
-
-class MLP(nn.Module):
-  """SwiGLU feed-forward: ``wo(silu(wi_0 x) * wi_1 x)``."""
-
-  cfg: ModelConfig
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    cfg = self.cfg
-    init = nn.initializers.lecun_normal()
-
-    def dense(features: int, axes: tuple[str, str], name: str) -> nn.Dense:
-      return nn.Dense(
-          features,
-          use_bias=False,
-          dtype=cfg.jnp_dtype,
-          param_dtype=cfg.jnp_param_dtype,
-          kernel_init=nn.with_logical_partitioning(init, axes),
-          name=name,
-      )
-
-    h = nn.silu(dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x)) * dense(
-        cfg.d_ff, ("embed", "mlp"), "wi_1"
-    )(x)
-    return dense(cfg.d_model, ("mlp", "embed"), "wo")(h)
 
 
 class Block(nn.Module):

@@ -318,6 +318,8 @@ class DoraEngine(engine_api.Engine):
     split = ("n_heads", "n_kv_heads", "d_ff", "vocab_size")
     if model_cfg.num_experts:
       split += ("num_experts",)  # an MoE layer's experts are divided among the chips
+    if model_cfg.shared_expert_d_ff:
+      split += ("shared_expert_d_ff",)
     for name in split:
       if getattr(model_cfg, name) % tp:
         raise ValueError(f"model.{name}={getattr(model_cfg, name)} is not divisible by"

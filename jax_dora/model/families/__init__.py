@@ -9,7 +9,7 @@ sliding-window layers, i.e. a different block rather than a new mapping.
 from __future__ import annotations
 
 from jax_dora.model.config import ModelConfig
-from jax_dora.model.families import llama, qwen2, qwen3, qwen3_moe
+from jax_dora.model.families import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 from jax_dora.model.families.base import (
     Family,
     TensorLayout,
@@ -30,6 +30,7 @@ register(llama.FAMILY)
 register(qwen2.FAMILY)
 register(qwen3.FAMILY)
 register(qwen3_moe.FAMILY)
+register(qwen2_moe.FAMILY)
 
 
 def get_family(model_type: str) -> Family:
@@ -44,7 +45,7 @@ def get_family(model_type: str) -> Family:
 def family_for(cfg: ModelConfig) -> Family:
   """The family whose checkpoint layout ``cfg`` (e.g. the native model) exports to."""
   if cfg.num_experts:
-    return FAMILIES.get("qwen3_moe")
+    return FAMILIES.get("qwen3_moe" if cfg.qk_norm else "qwen2_moe")
   if cfg.qk_norm:
     return FAMILIES.get("qwen3")
   if cfg.qkv_bias and not cfg.out_bias:

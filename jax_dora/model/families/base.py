@@ -150,10 +150,24 @@ def _linear(cfg_shape: tuple[int, ...], groups: tuple[int, ...]) -> TensorLayout
 
 
 def moe_tensors(cfg: ModelConfig, layer: int) -> list[TensorMap]:
-  """A Qwen3-MoE layer's feed-forward: the router and each expert's three projections."""
+  """An MoE layer's feed-forward: the router, each expert's three projections and (Qwen2-MoE)
+  the shared expert with its gate."""
   d, e, f = cfg.d_model, cfg.num_experts, cfg.moe_d_ff
   pre, us = f"model.layers.{layer}.mlp.", (f"layers_{layer}", "mlp")
   out = [TensorMap(pre + "gate.weight", (*us, "router", "kernel"), _linear((d, e), (1, 1)))]
+  if cfg.shared_expert_d_ff:
+    g = cfg.shared_expert_d_ff
+    sh = pre + "shared_expert."
+    out += [
+        TensorMap(sh + "gate_proj.weight", (*us, "shared_expert", "wi_0", "kernel"),
+                  _linear((d, g), (1, 1))),
+        TensorMap(sh + "up_proj.weight", (*us, "shared_expert", "wi_1", "kernel"),
+                  _linear((d, g), (1, 1))),
+        TensorMap(sh + "down_proj.weight", (*us, "shared_expert", "wo", "kernel"),
+                  _linear((g, d), (1, 1))),
+        TensorMap(pre + "shared_expert_gate.weight", (*us, "shared_expert_gate", "kernel"),
+                  _linear((d, 1), (1, 1))),
+    ]
   for x in range(e):
     ex = f"{pre}experts.{x}."
     out += [

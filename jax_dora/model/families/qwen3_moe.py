@@ -18,8 +18,6 @@ def _from_hf(hf: Any) -> dict[str, Any]:
   experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", 0) or 0)
   if experts < 1:
     raise base.UnsupportedCheckpointError("a Qwen3-MoE config.json without num_experts")
-  if getattr(hf, "shared_expert_intermediate_size", 0):
-    raise base.UnsupportedCheckpointError("shared experts (Qwen2-MoE) are not implemented")
   return dict(
       qwen3._from_hf(hf),  # pylint: disable=protected-access
       num_experts=experts,
