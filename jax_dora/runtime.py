@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -30,7 +31,7 @@ from jax_dora.data import PromptStream, load_file_splits, make_eval_prompts, use
 from jax_dora.distributed import maybe_initialize_distributed
 from jax_dora.learner.batch_dump import BatchRecorder
 from jax_dora.learner.batching import parse_buckets
-from jax_dora.learner.mesh import make_mesh, split_devices
+from jax_dora.learner.mesh import BATCH_AXES, make_mesh, split_devices
 from jax_dora.learner.multihost import (
   LeaderLearner,
   LeaderPublisher,
@@ -482,13 +483,14 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
   if not remote and set(learner_devs) & set(rollout_devs):
     log.warning("only one device: learner and rollout share it")
   mesh = make_mesh(learner_devs, cfg.learner.mesh_data, cfg.learner.mesh_fsdp,
-                   cfg.learner.mesh_tensor)
-  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+                   cfg.learner.mesh_tensor, cfg.learner.mesh_expert)
+  batch_shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
   batch_rows = cfg.learner.batch_rows
   if batch_rows % batch_shards:
     raise ConfigError(
         f"learner batch of {batch_rows} trajectories (groups_per_step x group_size) is not"
-        f" divisible by the {batch_shards} data x fsdp shards of the learner mesh {dict(mesh.shape)}"
+        f" divisible by the {batch_shards} data x fsdp x expert shards of the learner mesh"
+        f" {dict(mesh.shape)}"
     )
   if group.is_primary:
     paths.output_dir.mkdir(parents=True, exist_ok=True)

@@ -155,3 +155,37 @@ def test_a_tiny_moe_policy_trains_with_a_clean_audit(tmp_path: pathlib.Path, mod
   assert 1.0 <= last["train/moe/expert_load_max"] <= 4.0
   assert last["train/moe/load_balance_loss"] > 0.0 and last["train/moe/router_entropy"] > 0.0
   assert "train/moe/layer0/expert_load_max" in last and "train/moe/layer1/expert_load_max" not in last
+
+
+def test_expert_parallel_step_equals_one_device():
+  """A (data=2, expert=2, tensor=2) mesh: each MoE layer's experts split over the expert
+  axis, rows over data x expert; two train steps give one device's losses."""
+  from jax_dora.learner.mesh import make_mesh  # pylint: disable=g-import-not-at-top
+  from jax_dora.learner.train_state import Learner  # pylint: disable=g-import-not-at-top
+
+  cfg = base_config()
+  cfg.learner.warmup_steps = 1
+  cfg.learner.moe_aux_loss_coef = 0.01
+  model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                          max_seq_len=24, num_experts=4, num_experts_per_tok=2, moe_d_ff=16)
+  rng = np.random.default_rng(0)
+  b, t = 8, 23
+  tokens = rng.integers(3, 48, size=(b, t + 1)).astype(np.int32)
+  mask = np.zeros((b, t), np.float32)
+  mask[:, 5:] = 1.0
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+           "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+           "mask": mask, "behaviour_logprobs": np.full((b, t), -3.0, np.float32) * mask,
+           "advantages": rng.normal(size=(b,)).astype(np.float32),
+           "token_staleness": np.zeros((b, t), np.float32)}
+  single = Learner(model_cfg, cfg.learner, make_mesh(jax.devices()[:1]), seed=3)
+  ep = Learner(model_cfg, cfg.learner, make_mesh(jax.devices(), 2, 1, 2, expert=2), seed=3)
+  wi = ep.params["layers_0"]["mlp"]["wi_0"]
+  assert wi.sharding.spec[0] == "expert" and len(wi.addressable_shards[0].data) == 2
+  losses = []
+  for learner in (single, ep):
+    m1 = learner.train_step(batch)
+    m2 = learner.train_step(batch)
+    losses.append((m1["loss"], m2["loss"], m1["grad_norm"], m1["moe/load_balance_loss"]))
+  np.testing.assert_allclose(losses[0], losses[1], rtol=2e-4, atol=1e-5)
+  assert losses[0][0] != losses[0][1]

@@ -84,6 +84,8 @@ class LearnerConfig(ConfigBlock):
   mesh_data: int = field(-1, "Mesh axis data (-1 absorbs the rest).")
   mesh_fsdp: int = field(1, "Mesh axis fsdp.")
   mesh_tensor: int = field(1, "Mesh axis tensor.")
+  mesh_expert: int = field(
+      1, "Mesh axis expert (MoE expert parallelism: experts divided, rows split as over data).")
   dump_batches_dir: str = field(
       "", "Save every trained batch as <dir>/step_<n>.npz (\"\" = off): replay a run's updates"
       " offline, or compare learners on identical data.")

@@ -13,12 +13,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# "expert": expert parallelism for MoE policies. Rows are split over it like
+# over data (each expert shard sees its own tokens, as in MaxText), the experts
+# of every MoE layer are divided among its devices, the rest of the model is
+# replicated over it. Size 1 (the default) changes nothing.
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical axis names used by jax_dora.model -> mesh axes. "batch" spans both
 # data and fsdp so activations shard the same way as in MaxText's FSDP setup.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -28,11 +33,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("norm", None),
     ("layers", None),  # the stacked-layers axis of a scanned model: every device holds every layer
-    # MoE experts [expert, embed, mlp]: Flax gives a mesh axis to the first
-    # rule that asks for it, so "mlp" (above) takes "tensor" and the experts'
-    # hidden axis is split as the dense MLP's is (tensor parallelism inside
-    # each expert); "expert" gets its own mesh axis with expert parallelism.
-    ("expert", "tensor"),
+    # MoE experts [expert, embed, mlp]: over the expert axis; each expert's
+    # hidden axis over "tensor" as the dense MLP's is.
+    ("expert", "expert"),
 )
 
 
@@ -63,9 +66,10 @@ def split_devices(
   return devices[:num_learner], devices[num_learner:num_learner + num_rollout]
 
 
-def resolve_mesh_shape(num_devices: int, data: int, fsdp: int, tensor: int) -> tuple[int, int, int]:
-  """Resolves one ``-1`` entry so that the product equals ``num_devices``."""
-  shape = [data, fsdp, tensor]
+def resolve_mesh_shape(num_devices: int, data: int, fsdp: int, tensor: int,
+                       expert: int = 1) -> tuple[int, int, int, int]:
+  """``(data, fsdp, expert, tensor)``, one ``-1`` entry resolved so the product is ``num_devices``."""
+  shape = [data, fsdp, expert, tensor]
   if shape.count(-1) > 1:
     raise ValueError(f"at most one mesh axis may be -1, got {shape}")
   known = int(np.prod([s for s in shape if s != -1]))
@@ -78,7 +82,8 @@ def resolve_mesh_shape(num_devices: int, data: int, fsdp: int, tensor: int) -> t
   return tuple(shape)  # type: ignore[return-value]
 
 
-def make_mesh(devices: Sequence[jax.Device], data: int = -1, fsdp: int = 1, tensor: int = 1) -> Mesh:
-  """Builds a (data, fsdp, tensor) mesh over exactly ``devices``."""
-  shape = resolve_mesh_shape(len(devices), data, fsdp, tensor)
+def make_mesh(devices: Sequence[jax.Device], data: int = -1, fsdp: int = 1, tensor: int = 1,
+              expert: int = 1) -> Mesh:
+  """Builds a (data, fsdp, expert, tensor) mesh over exactly ``devices``."""
+  shape = resolve_mesh_shape(len(devices), data, fsdp, tensor, expert)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)

@@ -33,7 +33,7 @@ from jax_dora.learner.losses import (
   loglinear_proximal,
   policy_loss,
 )
-from jax_dora.learner.mesh import LOGICAL_AXIS_RULES
+from jax_dora.learner.mesh import BATCH_AXES, LOGICAL_AXIS_RULES
 from jax_dora.model import (
   ModelConfig,
   Transformer,
@@ -157,10 +157,10 @@ class Learner:
     self.group_by_length = cfg.group_micro_batches_by_length
     if self.group_by_length and self.micro_batch <= 0:
       raise ValueError("learner.group_micro_batches_by_length needs learner.micro_batch_size > 0")
-    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch_devices = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if self.group_by_length and self.micro_batch % batch_devices:
       raise ValueError(f"learner.micro_batch_size={self.micro_batch} must be a multiple of the"
-                       f" {batch_devices} data x fsdp devices the rows are sharded over")
+                       f" {batch_devices} data x fsdp x expert devices the rows are sharded over")
     self.seq_len_buckets = parse_buckets(cfg.seq_len_buckets, model_cfg.max_seq_len)
 
     # The state's layout comes from the abstract params (the model's init
@@ -170,7 +170,7 @@ class Learner:
     specs = nn.get_partition_spec(abstract)
     with nn.logical_axis_rules(LOGICAL_AXIS_RULES):
       self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
-    self.batch_axes = ("data", "fsdp")
+    self.batch_axes = BATCH_AXES
     self.batch_sharding = NamedSharding(mesh, P(self.batch_axes))
     self.replicated = NamedSharding(mesh, P())
     if load_params is None:
@@ -524,7 +524,7 @@ class Learner:
     return out
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Places a host batch on the learner mesh (batch dim over data x fsdp)."""
+    """Places a host batch on the learner mesh (batch dim over data x fsdp x expert)."""
     return jax.device_put(batch, self.batch_sharding)
 
   def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
