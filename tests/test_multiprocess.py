@@ -36,6 +36,8 @@ pytestmark = pytest.mark.timeout(150)
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _STEPS = 4
 _MODEL = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64)
+# The two-learner test's policy: a mixture of experts split over an expert mesh axis.
+_MOE = dict(_MODEL, num_experts=4, num_experts_per_tok=2, moe_d_ff=32)
 
 
 def _tail(path: pathlib.Path, n: int = 4000) -> str:
@@ -156,7 +158,9 @@ def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
 
 @pytest.mark.timeout(330)
 def test_two_learner_processes_train_like_one(tmp_path):
-  """Two learner processes + one rollout server in one jax.distributed cluster.
+  """Two learner processes + one rollout server in one jax.distributed cluster, an MoE
+  policy with its experts split over the learner mesh's expert axis (data 2 x expert 2
+  over the two processes' four devices).
 
   Only the primary learner process runs the orchestrator; the other mirrors its
   train steps, publishes and checkpoints on the identical global batch. The
@@ -184,7 +188,7 @@ def test_two_learner_processes_train_like_one(tmp_path):
       f"--config.distributed.coordinator_address={coordinator}",
       "--config.distributed.num_processes=3",
       "--config.distributed.num_learner_processes=2",
-  ] + [f"--config.model.{k}={v}" for k, v in _MODEL.items()]
+  ] + [f"--config.model.{k}={v}" for k, v in _MOE.items()]
   server_args = [
       sys.executable, "-m", "jax_dora.rollout.server_main", "--config=configs/tiny.py",
       "--config.precompile=False",
@@ -207,6 +211,7 @@ def test_two_learner_processes_train_like_one(tmp_path):
       # below is the fused one-process step.
       "--config.learner.micro_batch_size=4",
       "--config.learner.group_micro_batches_by_length=True",
+      "--config.learner.mesh_expert=2",
   ] + common
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -261,13 +266,14 @@ def test_two_learner_processes_train_like_one(tmp_path):
   recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
   run_losses = [r["train/loss"] for r in recs]
   cfg = base_config()
-  for k, v in _MODEL.items():
+  for k, v in _MOE.items():
     cfg.model[k] = v
   cfg.learner.groups_per_step, cfg.learner.group_size = 2, 4
   policy = resolve_policy(cfg)
+  assert policy.model_cfg.num_experts == 4
   import jax  # pylint: disable=g-import-not-at-top
 
-  mesh = make_mesh(jax.devices()[:4], -1, 1, 1)
+  mesh = make_mesh(jax.devices()[:4], -1, 1, 1, expert=2)
   solo = Learner(policy.model_cfg, cfg.learner, mesh, temperature=cfg.rollout.temperature,
                  seed=cfg.seed, suppress_mask=policy.suppress_mask)
   solo_losses = [solo.train_step(b)["loss"] for b in load_batches(str(batches))]
