@@ -195,3 +195,14 @@ def test_accelerator_benchmark_small(tmp_path):
     if key.startswith(("decode.", "prefill.")) and not key.endswith(".ratio"):
       assert figs[key]["fraction"] is not None, key
   assert figs["learner.step_seconds"]["fraction"] is not None  # the MFU
+
+
+def test_moe_grouped_matmul_benchmark_runs(tmp_path):
+  """Smoke run at a tiny shape (the CPU numbers are in DESIGN.md; no timing is asserted)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import moe_grouped_matmul  # pylint: disable=g-import-not-at-top
+
+  out = moe_grouped_matmul.main(["--tokens=64", "--d_model=32", "--d_ff=16", "--experts=4",
+                                 "--top_k=2", "--dtype=float32", "--iters=1",
+                                 f"--json={tmp_path / 'moe.json'}"])
+  assert out["ragged_s"] > 0 and out["floor_s"] > 0 and (tmp_path / "moe.json").exists()
