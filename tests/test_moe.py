@@ -189,3 +189,46 @@ def test_expert_parallel_step_equals_one_device():
     losses.append((m1["loss"], m2["loss"], m1["grad_norm"], m1["moe/load_balance_loss"]))
   np.testing.assert_allclose(losses[0], losses[1], rtol=2e-4, atol=1e-5)
   assert losses[0][0] != losses[0][1]
+
+
+def test_routing_replay_weights_come_from_the_live_softmax():
+  """Replaying the router's own choice reproduces it exactly; replaying experts the learner
+  would not pick keeps their (small) live probabilities and their gradients. Gathering from
+  probabilities zeroed outside the learner's own top-k (the pitfall) gives them 0 and kills
+  the router's gradient through them."""
+  from jax_dora.model.moe import replayed_weights, route  # pylint: disable=g-import-not-at-top
+
+  logits = jnp.asarray([[3.0, 1.0, 0.5, -1.0], [0.0, 2.0, 1.0, 0.2]])
+  for norm in (False, True):
+    w, ids = route(logits, 2, norm)
+    np.testing.assert_allclose(replayed_weights(logits, ids, norm), w, rtol=1e-6)
+  recorded = jnp.asarray([[2, 3], [0, 3]])  # none of the learner's own top-2
+  w = replayed_weights(logits, recorded, False)
+  p = np.exp(np.asarray(logits)) / np.exp(np.asarray(logits)).sum(-1, keepdims=True)
+  np.testing.assert_allclose(w, np.take_along_axis(p, np.asarray(recorded), -1), rtol=1e-6)
+  g = jax.grad(lambda z: jnp.sum(replayed_weights(z, recorded, False)))(logits)
+  assert np.all(np.abs(np.asarray(g)) > 1e-4)  # every logit moves, the recorded ones most
+
+  def pitfall(z):
+    probs = jax.nn.softmax(z, -1)
+    top, _ = jax.lax.top_k(probs, 2)
+    zeroed = jnp.where(probs >= top[:, -1:], probs, 0.0)
+    return jnp.sum(jnp.take_along_axis(zeroed, recorded, -1))
+
+  assert float(pitfall(logits)) == 0.0
+  assert np.all(np.asarray(jax.grad(pitfall)(logits)) == 0.0)
+
+
+def test_an_moe_layer_replaying_its_own_routing_is_unchanged():
+  x = jax.random.normal(jax.random.key(7), (2, 5, CFG.d_model))
+  params = MoE(CFG).init(jax.random.key(8), x)["params"]
+  plain = MoE(CFG).apply({"params": params}, x)
+  kernel = np.asarray(params["router"]["kernel"].value)
+  logits = np.asarray(x, np.float64).reshape(-1, CFG.d_model) @ kernel
+  own = np.argsort(-logits, axis=-1, kind="stable")[:, :CFG.num_experts_per_tok]
+  replayed = MoE(CFG).apply({"params": params}, x, replay_ids=own.reshape(2, 5, -1))
+  np.testing.assert_allclose(np.asarray(replayed), np.asarray(plain), atol=1e-6)
+  other = (own + 1) % CFG.num_experts  # different experts: a different output
+  assert not np.allclose(np.asarray(MoE(CFG).apply({"params": params}, x,
+                                                   replay_ids=other.reshape(2, 5, -1))),
+                         np.asarray(plain), atol=1e-4)

@@ -49,6 +49,23 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, j
   return weights, ids.astype(jnp.int32)
 
 
+def replayed_weights(logits: jax.Array, ids: jax.Array, norm_topk_prob: bool) -> jax.Array:
+  """Routing replay: the weights of recorded expert ``ids [N, k]`` under the live router.
+
+  The experts are the ones the sampler used (so the learner's forward is the
+  sampler's routing), but their weights come from this forward's full
+  softmax, so the router is still trained. Gathering instead from
+  probabilities already zeroed outside the learner's own top-k gives a
+  recorded expert the learner would not have picked weight 0 and no
+  gradient: the known pitfall (tests/test_moe.py checks it does not happen).
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights = jnp.take_along_axis(probs, ids.astype(jnp.int32), axis=-1)
+  if norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights
+
+
 def grouped_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, wi_0: jax.Array,
                    wi_1: jax.Array, wo: jax.Array) -> jax.Array:
   """``sum_j weights[n, j] * FFN_{ids[n, j]}(x[n])`` with one grouped matmul per weight.
@@ -83,8 +100,10 @@ class MoE(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-    """``x [B, T, D]``; ``valid [B, T]`` marks real tokens for the router statistics."""
+  def __call__(self, x: jax.Array, valid: jax.Array | None = None,
+               replay_ids: jax.Array | None = None) -> jax.Array:
+    """``x [B, T, D]``; ``valid [B, T]`` marks real tokens for the router statistics;
+    ``replay_ids [B, T, k]``: route to these experts (routing replay) instead of top-k."""
     cfg = self.cfg
     e, f, d = cfg.num_experts, cfg.moe_d_ff, cfg.d_model
     init = nn.initializers.lecun_normal()
@@ -94,7 +113,11 @@ class MoE(nn.Module):
     )(x.astype(jnp.float32))
     b, t = x.shape[:2]
     flat_logits = logits.reshape(b * t, e)
-    weights, ids = route(flat_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if replay_ids is None:
+      weights, ids = route(flat_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    else:
+      ids = replay_ids.reshape(b * t, -1).astype(jnp.int32)
+      weights = replayed_weights(flat_logits, ids, cfg.norm_topk_prob)
 
     def expert_param(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
       return self.param(name, nn.with_logical_partitioning(
