@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_dora.config.block import ConfigBlock, ConfigError, choice, field
+from jax_dora.csv_fields import split_csv
 
 ROPE_SCALINGS = ("", "llama3")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
@@ -90,9 +91,8 @@ class ModelBlock(ConfigBlock):
   def architecture(self) -> dict[str, object]:
     """The architecture fields that are set (not None), for ``ModelConfig``."""
     out = {k: v for k, v in self.to_dict().items() if k != "hf_path" and v is not None}
-    if isinstance(out.get("mlp_only_layers"), str):
-      out["mlp_only_layers"] = tuple(
-          int(x) for x in str(out["mlp_only_layers"]).split(",") if x.strip())
+    if "mlp_only_layers" in out:  # ModelConfig's form, which a checkpoint's value is compared to
+      out["mlp_only_layers"] = tuple(split_csv(out["mlp_only_layers"], int))
     return out
 
   def unset_fields(self) -> list[str]:

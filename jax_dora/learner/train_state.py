@@ -262,16 +262,21 @@ class Learner:
         temperature=self.temperature, mask=self.suppress_mask, chunk=self.logprob_chunk)
     return logp, (router_stats(inter) if moe else None)
 
-  def _trained_logprobs(self, params, batch) -> jax.Array:
-    """Log-probs of the target tokens, 0 where the mask is 0.
+  @staticmethod
+  def _only_trained(batch, logp: jax.Array) -> jax.Array:
+    """``logp`` where the mask is set, 0 elsewhere.
 
     Padded targets may be suppressed ids (-1e30): keep them out of exp().
     """
-    return jnp.where(batch["mask"] > 0, self._token_logprobs(params, batch), 0.0)
+    return jnp.where(batch["mask"] > 0, logp, 0.0)
+
+  def _trained_logprobs(self, params, batch) -> jax.Array:
+    """Log-probs of the target tokens, 0 where the mask is 0."""
+    return self._only_trained(batch, self._token_logprobs(params, batch))
 
   def _loss(self, params, batch, ref_params, totals: BatchTotals):
     logp, stats = self._token_logprobs_and_router(params, batch)
-    logp = jnp.where(batch["mask"] > 0, logp, 0.0)  # as _trained_logprobs
+    logp = self._only_trained(batch, logp)
     ref_logp = None
     if ref_params is not None:
       ref_logp = jax.lax.stop_gradient(self._trained_logprobs(ref_params, batch))

@@ -18,6 +18,7 @@ import ml_collections
 # ROPE_SCALINGS, and ATTENTION_IMPLS: the kernels of the cache-free attention
 # (jax_dora.model.transformer._attend); the config's model block owns both.
 from jax_dora.config.model import ATTENTION_IMPLS, ROPE_SCALINGS, ModelBlock
+from jax_dora.csv_fields import split_csv
 
 # The defaults of the run config's model block (the tiny native model): one
 # source, so the two cannot disagree again (max_seq_len was 128 here, 96 there).
@@ -104,7 +105,8 @@ class ModelConfig:
   shared_expert_d_ff: int = _BLOCK.shared_expert_d_ff
 
   def __post_init__(self):
-    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+    # A tuple of ints from a tuple, a list or the run config's comma-separated string.
+    object.__setattr__(self, "mlp_only_layers", tuple(split_csv(self.mlp_only_layers, int)))
     # Resolve the "0 = derived" defaults once, so every reader sees numbers.
     if self.n_kv_heads == 0:
       object.__setattr__(self, "n_kv_heads", self.n_heads)
@@ -181,8 +183,6 @@ class ModelConfig:
     """
     d = dict(cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg)
     d.pop("hf_path", None)
-    if isinstance(d.get("mlp_only_layers"), str):  # the run config's comma-separated form
-      d["mlp_only_layers"] = tuple(int(x) for x in d["mlp_only_layers"].split(",") if x.strip())
     d = {k: v for k, v in d.items() if v is not None}
     if vocab_size is not None:
       d["vocab_size"] = vocab_size

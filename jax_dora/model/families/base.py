@@ -292,6 +292,31 @@ def common_from_hf(hf: Any) -> dict[str, Any]:
   )
 
 
+def moe_from_hf(hf: Any) -> dict[str, Any]:
+  """The mixture-of-experts fields Qwen3-MoE and Qwen2-MoE configs share."""
+  experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", 0) or 0)
+  if experts < 1:
+    raise UnsupportedCheckpointError(f"a {hf.model_type} config.json without num_experts")
+  return dict(
+      num_experts=experts,
+      num_experts_per_tok=int(hf.num_experts_per_tok),
+      moe_d_ff=int(hf.moe_intermediate_size),
+      norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+      moe_layer_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+      mlp_only_layers=tuple(int(i) for i in (getattr(hf, "mlp_only_layers", None) or ())),
+      router_aux_loss_coef=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
+  )
+
+
+def moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The inverse of :func:`moe_from_hf`."""
+  return dict(
+      num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+      moe_intermediate_size=cfg.moe_d_ff, norm_topk_prob=cfg.norm_topk_prob,
+      decoder_sparse_step=cfg.moe_layer_step, mlp_only_layers=list(cfg.mlp_only_layers),
+      router_aux_loss_coef=cfg.router_aux_loss_coef)
+
+
 def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   out: dict[str, Any] = dict(
       vocab_size=cfg.vocab_size,
