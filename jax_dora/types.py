@@ -70,6 +70,11 @@ class Trajectory:
   # One record per tool call, in order (``jax_dora.tools.ToolTurn.to_record``):
   # the call's text, the observation, its status and where it sits.
   tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  # MoE: ``[len(prompt) + len(completion), moe_layers, k]`` the experts the
+  # rollout routed each token to (``jax_dora.model.routing``; the sentinel
+  # where none was recorded); None from a dense model. What
+  # ``learner.moe_routing=replay`` trains with.
+  routing: np.ndarray | None = None
 
   @property
   def key(self) -> tuple[int, int]:
@@ -98,6 +103,18 @@ class Trajectory:
   @property
   def oldest_version(self) -> int:
     return min(s.version for s in self.spans) if self.spans else self.start_version
+
+  def unrouted_positions(self) -> int:
+    """Positions the trained tokens condition on (up to the last sampled one) that
+    have no recorded route: 0 for a complete record (the audit's check)."""
+    if self.routing is None:
+      return 0
+    sampled = np.flatnonzero(self.sampled_mask())
+    if not sampled.size:
+      return 0
+    needed = len(self.prompt_tokens) + int(sampled[-1])
+    head = self.routing[:needed]
+    return int(np.sum(np.any(head == np.iinfo(head.dtype).max, axis=(-2, -1))))
 
   def token_versions(self) -> np.ndarray:
     """Per-completion-token policy version, expanded from ``spans``."""

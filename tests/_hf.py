@@ -135,3 +135,17 @@ def reference_logits(model, tokens):
   with torch.no_grad():
     out = model.float()(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits
   return out.float().numpy()
+
+
+def reference_routes(model, tokens, k: int):
+  """``[T, moe_layers, k]`` the experts ``transformers``' routers pick for ``tokens[T]``
+  (its ``output_router_logits``; top-k of the softmax, in descending order)."""
+  import numpy as np
+  import torch
+
+  with torch.no_grad():
+    out = model.float()(torch.as_tensor(np.asarray(tokens)[None], dtype=torch.long),
+                        output_router_logits=True)
+  per_layer = [torch.topk(torch.softmax(r.float(), -1), k, dim=-1).indices.numpy()
+               for r in out.router_logits]
+  return np.stack(per_layer, axis=1)

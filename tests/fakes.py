@@ -61,6 +61,7 @@ class FakeLearner:
     self._step = 0
     self.step_s = step_s
     self.batches: list[dict[str, np.ndarray]] = []
+    self.routing = None  # a dense policy: no recorded MoE routes in its batches
 
   @property
   def step(self) -> int:

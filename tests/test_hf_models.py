@@ -108,21 +108,25 @@ def test_engine_decode_matches_transformers_for_four_live_versions(hf_dirs, fami
   prompts += [tok.encode_prompt(t) for t in ("Sum 7 and 8.", "Name a prime.")]
   pins = [1, 2, 1, 1, 3, 4]
   state = engine.init_decode_state()
-  out = {}
+  out, routes = {}, {}  # routes: MoE, the experts each fed token went to (prompt, then decode)
   for v in (1, 2, 3, 4):
     slots = [s for s, pin in enumerate(pins) if pin == v]
     state, firsts, work = engine.prefill_insert_batch_async(
         params[v], v, [prompts[s] for s in slots], slots, state)
     assert work.computed_tokens == sum(len(prompts[s]) for s in set(slots) - {3})
-    for slot, (arr, row) in zip(slots, firsts):
-      tok0, lp0 = np.asarray(arr)[row]
+    for slot, first in zip(slots, firsts):
+      tok0, lp0 = np.asarray(first.values)[first.row]
       out[slot] = ([int(tok0)], [float(lp0)])
+      if engine.routing_shape is not None:
+        routes[slot] = list(np.asarray(first.routes)[first.row][:len(prompts[slot])])
   for _ in range(12):
     state, res = engine.generate(mv, state)
     res = res.convert_to_numpy()
     for slot in out:
       out[slot][0].append(int(res.get_result_at_slot(slot).tokens[0, 0]))
       out[slot][1].append(float(res.get_logprobs_at_slot(slot)[0]))
+      if engine.routing_shape is not None:
+        routes[slot].append(res.routes[slot])
 
   never = _never_sampled(hf_dirs[family], cfg.vocab_size)
   torch_models = {}
@@ -144,6 +148,12 @@ def test_engine_decode_matches_transformers_for_four_live_versions(hf_dirs, fami
     np.testing.assert_array_equal(toks, logp[n - 1:len(seq) - 1].argmax(-1))
     np.testing.assert_allclose(lps, logp[np.arange(n - 1, len(seq) - 1), seq[n:]], atol=2e-4)
     assert not set(toks) & set(never)
+    if engine.routing_shape is not None:
+      # Routing replay's record: every token the server ran (the prompt in
+      # prefill, each sampled token but the last in decode), each MoE layer's
+      # top-k, equals transformers' routers on the same sequence.
+      ref = _hf.reference_routes(torch_models[v], seq[:-1], cfg.num_experts_per_tok)
+      np.testing.assert_array_equal(np.sort(np.stack(routes[slot]), -1), np.sort(ref, -1))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2_moe"])

@@ -22,8 +22,9 @@ from jax_dora.model.config import ModelConfig
 from jax_dora.model.moe import MoE
 from jax_dora.model.transformer import Transformer
 
+# The grouped path, explicitly: on CPU "auto" takes the dense one.
 CFG = ModelConfig(vocab_size=40, d_model=16, n_layers=3, n_heads=2, d_ff=24, num_experts=4,
-                  num_experts_per_tok=2, moe_d_ff=8, mlp_only_layers=(1,))
+                  num_experts_per_tok=2, moe_d_ff=8, mlp_only_layers=(1,), moe_impl="ragged")
 
 
 def _naive_moe(x, router, wi_0, wi_1, wo, k, norm):
@@ -42,9 +43,12 @@ def _naive_moe(x, router, wi_0, wi_1, wo, k, norm):
   return out
 
 
+@pytest.mark.parametrize("impl", ["ragged", "dense"])
 @pytest.mark.parametrize("norm", [False, True])
-def test_moe_layer_equals_a_per_token_loop(norm):
-  cfg = ModelConfig(**{**CFG.to_dict(), "norm_topk_prob": norm})
+def test_moe_layer_equals_a_per_token_loop(norm, impl):
+  """Both expert paths (grouped ragged_dot; every token through every expert, CPU's
+  default) equal the loop."""
+  cfg = ModelConfig(**{**CFG.to_dict(), "norm_topk_prob": norm, "moe_impl": impl})
   x = jax.random.normal(jax.random.key(0), (2, 7, cfg.d_model))
   params = MoE(cfg).init(jax.random.key(1), x)["params"]
   p = jax.tree.map(np.asarray, jax.tree.map(lambda v: getattr(v, "value", v), params,
@@ -129,12 +133,16 @@ def test_moe_config_errors_and_layer_rule():
     Transformer(CFG, scan_layers=True).init(jax.random.key(0), tokens, tokens)
 
 
-@pytest.mark.parametrize("mode", ["sync", "dora_pace"])
-def test_a_tiny_moe_policy_trains_with_a_clean_audit(tmp_path: pathlib.Path, mode):
+@pytest.mark.parametrize("mode,moe_routing", [("sync", "recompute"), ("dora_pace", "replay")])
+def test_a_tiny_moe_policy_trains_with_a_clean_audit(tmp_path: pathlib.Path, mode, moe_routing):
+  """Both modes, and routing replay: servers record every route the trained tokens
+  condition on (the ledger's ``unrouted`` is 0), the learner reports the share its
+  own router would pick differently."""
   from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
 
   cfg = base_config()
   cfg.mode = mode
+  cfg.learner.moe_routing = moe_routing
   cfg.output_dir = str(tmp_path / mode)
   cfg.total_steps = 3
   cfg.progress_bar = False
@@ -155,9 +163,15 @@ def test_a_tiny_moe_policy_trains_with_a_clean_audit(tmp_path: pathlib.Path, mod
   assert 1.0 <= last["train/moe/expert_load_max"] <= 4.0
   assert last["train/moe/load_balance_loss"] > 0.0 and last["train/moe/router_entropy"] > 0.0
   assert "train/moe/layer0/expert_load_max" in last and "train/moe/layer1/expert_load_max" not in last
+  assert 0.0 <= last["train/moe/route_mismatch"] < 0.5
+  trained = [json.loads(line) for line in
+             (tmp_path / mode / "trained_samples.jsonl").read_text().splitlines()]
+  trained = [r for r in trained if r.get("event") == "trained"]
+  assert trained and all(r["unrouted"] == 0 for r in trained)
 
 
-def test_expert_parallel_step_equals_one_device():
+@pytest.mark.parametrize("impl", ["ragged", "dense"])
+def test_expert_parallel_step_equals_one_device(impl):
   """A (data=2, expert=2, tensor=2) mesh: each MoE layer's experts split over the expert
   axis, rows over data x expert; two train steps give one device's losses."""
   from jax_dora.learner.mesh import make_mesh  # pylint: disable=g-import-not-at-top
@@ -167,7 +181,8 @@ def test_expert_parallel_step_equals_one_device():
   cfg.learner.warmup_steps = 1
   cfg.learner.moe_aux_loss_coef = 0.01
   model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, d_ff=64,
-                          max_seq_len=24, num_experts=4, num_experts_per_tok=2, moe_d_ff=16)
+                          max_seq_len=24, num_experts=4, num_experts_per_tok=2, moe_d_ff=16,
+                          moe_impl=impl)
   rng = np.random.default_rng(0)
   b, t = 8, 23
   tokens = rng.integers(3, 48, size=(b, t + 1)).astype(np.int32)
@@ -226,9 +241,9 @@ def test_an_moe_layer_replaying_its_own_routing_is_unchanged():
   kernel = np.asarray(params["router"]["kernel"].value)
   logits = np.asarray(x, np.float64).reshape(-1, CFG.d_model) @ kernel
   own = np.argsort(-logits, axis=-1, kind="stable")[:, :CFG.num_experts_per_tok]
-  replayed = MoE(CFG).apply({"params": params}, x, replay_ids=own.reshape(2, 5, -1))
+  replayed = MoE(CFG).apply({"params": params}, x, recorded_ids=own.reshape(2, 5, -1))
   np.testing.assert_allclose(np.asarray(replayed), np.asarray(plain), atol=1e-6)
   other = (own + 1) % CFG.num_experts  # different experts: a different output
   assert not np.allclose(np.asarray(MoE(CFG).apply({"params": params}, x,
-                                                   replay_ids=other.reshape(2, 5, -1))),
+                                                   recorded_ids=other.reshape(2, 5, -1))),
                          np.asarray(plain), atol=1e-4)

@@ -270,8 +270,8 @@ def _batched_groups(engine, ps, steps):
     state, out, work = engine.prefill_insert_batch_async(
         ps[v], v, [contexts[s] for s in slots], slots, state)
     works.append(work)
-    for s, (arr, row) in zip(slots, out):
-      firsts[s] = np.asarray(arr)[row]
+    for s, first in zip(slots, out):
+      firsts[s] = np.asarray(first.values)[first.row]
   toks = {s: [int(firsts[s][0])] for s in contexts}
   lps = {s: [float(firsts[s][1])] for s in contexts}
   mv = MultiVersionParams(ps, (1, 2))

@@ -8,6 +8,7 @@ from jax_dora.config.block import ConfigBlock, ConfigError, choice, field
 
 IS_LEVELS = ("token", "sequence")
 PROXIMAL_LOGPROBS = ("recompute", "loglinear")
+MOE_ROUTING = ("recompute", "replay")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,11 @@ class LearnerConfig(ConfigBlock):
       -1.0, "MoE load-balancing loss coefficient (transformers' formula); -1 = the"
       " checkpoint's router_aux_loss_coef (model.router_aux_loss_coef).")
   moe_z_loss_coef: float = field(0.0, "MoE router z-loss coefficient (ST-MoE); 0 = off.")
+  moe_routing: str = field(
+      "recompute", "MoE routing in the learner's forward: recompute (its own router's top-k) |"
+      " replay (the experts the rollout server routed each token to, weighed by the live"
+      " router's softmax so the router still trains). Servers record routes either way;"
+      " moe/route_mismatch is the share the learner's router would pick differently.")
   weight_decay: float = field(0.0, "AdamW weight decay.")
   grad_clip: float = field(1.0, "Global gradient-norm clip.")
   group_size: int = field(8, "G: completions per prompt (GRPO group).")
@@ -113,6 +119,7 @@ class LearnerConfig(ConfigBlock):
       choice(self.BLOCK, key, getattr(self, key), registry.names())
     choice(self.BLOCK, "is_level", self.is_level, IS_LEVELS)
     choice(self.BLOCK, "proximal_logprobs", self.proximal_logprobs, PROXIMAL_LOGPROBS)
+    choice(self.BLOCK, "moe_routing", self.moe_routing, MOE_ROUTING)
     choice(self.BLOCK, "remat", self.remat, sorted(REMAT_POLICIES))
     if not self.tis_cap > 0 or not 0 <= self.mis_low < self.mis_high:
       raise ConfigError("config.learner.tis_cap must be > 0 and 0 <= mis_low < mis_high")

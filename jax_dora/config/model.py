@@ -9,9 +9,10 @@ from jax_dora.csv_fields import split_csv
 
 ROPE_SCALINGS = ("", "llama3")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+MOE_IMPLS = ("auto", "ragged", "dense")
 # Fields that are a run's choice even for a Hugging Face checkpoint (the
 # others come from its config.json).
-RUN_LEVEL_FIELDS = ("max_seq_len", "param_dtype", "dtype", "attention_impl")
+RUN_LEVEL_FIELDS = ("max_seq_len", "param_dtype", "dtype", "attention_impl", "moe_impl")
 
 
 def check_dtype(block: str, name: str, value: str) -> None:
@@ -63,6 +64,10 @@ class ModelBlock(ConfigBlock):
   attention_impl: str = field(
       "auto", "Training / prefill attention kernel: auto = cuDNN flash attention on a GPU"
       " with bfloat16/float16 activations, XLA elsewhere; xla or cudnn to force one.")
+  moe_impl: str = field(
+      "auto", "MoE experts' matmul: auto = dense on CPU (XLA:CPU expands ragged_dot per expert,"
+      " so every token through every expert is faster there), ragged elsewhere; ragged"
+      " (jax.lax.ragged_dot over tokens sorted by expert) or dense to force one.")
   num_experts: int | None = field(
       0, "Mixture-of-experts feed-forward with this many experts (Qwen3-MoE); 0 = dense.")
   num_experts_per_tok: int | None = field(0, "Experts per token (top-k routing, no dropping).")
@@ -82,6 +87,7 @@ class ModelBlock(ConfigBlock):
     if self.rope_scaling is not None:
       choice(self.BLOCK, "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
     choice(self.BLOCK, "attention_impl", self.attention_impl, ATTENTION_IMPLS)
+    choice(self.BLOCK, "moe_impl", self.moe_impl, MOE_IMPLS)
     if self.max_seq_len < 2:
       self.fail("max_seq_len", "must be >= 2")
     for name in ("param_dtype", "dtype"):

@@ -48,6 +48,7 @@ def make_batch(
     *,
     learner_version: int | None = None,
     mask_truncated: bool = False,
+    routing: tuple[tuple[int, int], np.dtype] | None = None,
 ) -> dict[str, np.ndarray]:
   """Packs ``prompt + completion`` rows, right-padded to ``seq_len`` tokens.
 
@@ -65,6 +66,11 @@ def make_batch(
 
   Tool observations (``Trajectory.context_spans``) stay in the row as context
   the policy reads, with mask 0, behaviour log-prob 0 and staleness 0.
+
+  ``routing``: an MoE policy's ``((moe_layers, k), dtype)`` (its
+  ``learner.train_state.routing_spec``): the batch then has ``routing``
+  ``[B, seq_len - 1, moe_layers, k]``, each input position's recorded
+  experts (``Trajectory.routing``), the sentinel where there is none.
   """
   b = len(trajectories)
   if len(advantages) != b:
@@ -73,6 +79,10 @@ def make_batch(
   mask = np.zeros((b, seq_len - 1), dtype=np.float32)
   blp = np.zeros((b, seq_len - 1), dtype=np.float32)
   stale = np.zeros((b, seq_len - 1), dtype=np.float32)
+  routes = None
+  if routing is not None:
+    shape, dtype = routing
+    routes = np.full((b, seq_len - 1) + tuple(shape), np.iinfo(dtype).max, dtype)
   for i, t in enumerate(trajectories):
     p = len(t.prompt_tokens)
     c = len(t.completion_tokens)
@@ -92,8 +102,14 @@ def make_batch(
     blp[i, p - 1:p - 1 + c] = np.where(sampled, t.behaviour_logprobs, 0.0)
     if learner_version is not None and c:
       stale[i, p - 1:p - 1 + c] = np.where(sampled, learner_version - t.token_versions(), 0)
+    if routes is not None and t.routing is not None:
+      if t.routing.shape[1:] != routes.shape[2:] or len(t.routing) != p + c:
+        raise ValueError(f"trajectory {t.key}: routing {list(t.routing.shape)} is not"
+                         f" [{p + c}, {', '.join(map(str, routes.shape[2:]))}]")
+      n = min(p + c, seq_len - 1)
+      routes[i, :n] = t.routing[:n]
   positions = np.broadcast_to(np.arange(seq_len - 1, dtype=np.int32), (b, seq_len - 1)).copy()
-  return {
+  out = {
       "inputs": tokens[:, :-1],
       "targets": tokens[:, 1:],
       "positions": positions,
@@ -102,3 +118,6 @@ def make_batch(
       "advantages": np.asarray(advantages, dtype=np.float32),
       "token_staleness": stale,
   }
+  if routes is not None:
+    out["routing"] = routes
+  return out

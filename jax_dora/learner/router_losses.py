@@ -15,7 +15,12 @@ of squared log-partition values and of router entropies. From those:
   expert's hits over the mean), per layer ``moe/layer{i}/expert_load_max``,
   ``moe/router_entropy`` (nats per token), ``moe/dropped_tokens`` (top-k
   assignments that did not reach their expert: 0 by construction, as the
-  routing is dropless; logged so a capacity limit added later would show).
+  routing is dropless; logged so a capacity limit added later would show),
+  ``moe/route_mismatch`` (with recorded rollout routes in the batch: the
+  share of them the learner's own top-k would not pick, whether or not
+  ``learner.moe_routing=replay`` uses them; ``_stale0`` / ``_stale_gt0``: at
+  trained tokens of the current / an older version, where the second adds
+  the policy's change since to the engines' difference).
 """
 
 from __future__ import annotations
@@ -56,10 +61,17 @@ def router_stats(intermediates: Any) -> dict[str, jax.Array] | None:
   return {k: jnp.stack([r[k] for _, r in records]) for k in records[0][1]}
 
 
-def router_losses(stats: dict[str, jax.Array], top_k: int, layer_ids: Sequence[int]
+def router_losses(stats: dict[str, jax.Array], top_k: int, layer_ids: Sequence[int],
+                  trained: jax.Array | None = None, staleness: jax.Array | None = None
                   ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """``(losses, metrics)`` from :func:`router_stats` (see the module doc); ``layer_ids``:
-  the model's MoE layers (``ModelConfig.moe_layers``), which name the per-layer metrics."""
+  the model's MoE layers (``ModelConfig.moe_layers``), which name the per-layer metrics.
+
+  ``trained`` / ``staleness``: ``[B, T]`` the batch's mask and token staleness, which
+  split ``moe/route_mismatch`` into the positions of trained tokens of the current
+  version (``_stale0``) and of older ones (``_stale_gt0``): input position ``j``'s
+  route was recorded by the version that sampled target ``j``.
+  """
   tokens = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
   num_experts = stats["expert_hits"].shape[-1]
   f = jnp.sum(stats["expert_hits"], axis=0) / tokens
@@ -77,6 +89,20 @@ def router_losses(stats: dict[str, jax.Array], top_k: int, layer_ids: Sequence[i
       "moe/expert_load_max": jnp.max(per_layer),
       "moe/dropped_tokens": jnp.sum(stats["tokens"]) * top_k - jnp.sum(hits),
   }
+  if "route_diff" in stats:
+    # Recorded rollout routes the learner's own router would not pick.
+    diff = jnp.sum(stats["route_diff"], axis=0)  # [B * T], summed over layers
+    routed = jnp.sum(stats["routed"], axis=0)
+
+    def share(where: jax.Array | float) -> jax.Array:
+      return jnp.sum(diff * where) / jnp.maximum(jnp.sum(routed * where), 1.0)
+
+    metrics["moe/route_mismatch"] = share(1.0)
+    if trained is not None and staleness is not None:
+      live = trained.reshape(-1) > 0
+      fresh = staleness.reshape(-1) <= 0
+      metrics["moe/route_mismatch_stale0"] = share(live & fresh)
+      metrics["moe/route_mismatch_stale_gt0"] = share(live & ~fresh)
   for i, layer in enumerate(layer_ids):
     metrics[f"moe/layer{layer}/expert_load_max"] = per_layer[i]
   return losses, metrics

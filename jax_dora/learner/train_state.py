@@ -34,6 +34,7 @@ from jax_dora.learner.losses import (
   policy_loss,
 )
 from jax_dora.learner.mesh import BATCH_AXES, LOGICAL_AXIS_RULES
+from jax_dora.model import routing
 from jax_dora.model import (
   ModelConfig,
   Transformer,
@@ -70,10 +71,19 @@ def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
   )
 
 
-def batch_shapes(batch_rows: int, seq_len: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """``name -> (shape, dtype)`` of a train batch (``learner.batching.make_batch``)."""
+def routing_spec(model_cfg: ModelConfig) -> tuple[tuple[int, int], np.dtype] | None:
+  """An MoE policy's recorded-routing ``((moe_layers, k), dtype)`` (None: dense)."""
+  shape = routing.routing_shape(model_cfg)
+  return None if shape is None else (shape, routing.routing_dtype(model_cfg.num_experts))
+
+
+def batch_shapes(batch_rows: int, seq_len: int,
+                 routes: tuple[tuple[int, int], np.dtype] | None = None
+                 ) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """``name -> (shape, dtype)`` of a train batch (``learner.batching.make_batch``);
+  ``routes``: an MoE policy's :func:`routing_spec`."""
   t = int(seq_len) - 1
-  return {
+  out = {
       "inputs": ((batch_rows, t), np.int32),
       "targets": ((batch_rows, t), np.int32),
       "positions": ((batch_rows, t), np.int32),
@@ -83,6 +93,9 @@ def batch_shapes(batch_rows: int, seq_len: int) -> dict[str, tuple[tuple[int, ..
       # Learner version minus the version that sampled each target token.
       "token_staleness": ((batch_rows, t), np.float32),
   }
+  if routes is not None:
+    out["routing"] = ((batch_rows, t) + tuple(routes[0]), routes[1])
+  return out
 
 
 class TrainingDivergedError(RuntimeError):
@@ -146,7 +159,11 @@ class Learner:
     self.suppress_mask = suppress_mask
     self.logprob_chunk = cfg.logprob_chunk_size
     self.micro_batch = cfg.micro_batch_size
-    self.model = Transformer(model_cfg, remat=cfg.remat)
+    # MoE: batches carry the rollout's recorded routes (``routing``); with
+    # moe_routing=replay the forward routes by them.
+    self.routing = routing_spec(model_cfg)
+    self.model = Transformer(model_cfg, remat=cfg.remat,
+                             replay_routing=cfg.moe_routing == "replay")
     self.tx = make_optimizer(cfg)
     self.use_ref = cfg.kl_coef > 0.0
     self.loss_settings = LossSettings.from_config(cfg, default_norm_length=model_cfg.max_seq_len)
@@ -253,10 +270,11 @@ class Learner:
       real = jnp.flip(jnp.cumsum(jnp.flip(batch["mask"], -1), -1), -1) > 0
       hidden, inter = self.model.apply(
           {"params": params}, batch["inputs"], batch["positions"], return_hidden=True,
-          token_mask=real, mutable=["intermediates"])
+          token_mask=real, routing=batch.get("routing"), mutable=["intermediates"])
     else:
       hidden = self.model.apply(
-          {"params": params}, batch["inputs"], batch["positions"], return_hidden=True)
+          {"params": params}, batch["inputs"], batch["positions"], return_hidden=True,
+          routing=batch.get("routing"))
     logp = chunked_token_logprobs(
         hidden, head_weight(self.model_cfg, params), batch["targets"],
         temperature=self.temperature, mask=self.suppress_mask, chunk=self.logprob_chunk)
@@ -301,7 +319,8 @@ class Learner:
     # terms are their row-weighted mean (one batch: weight 1).
     share = batch["mask"].shape[0] / totals.rows
     terms, moe_metrics = router_losses(stats, self.model_cfg.num_experts_per_tok,
-                                       self.model_cfg.moe_layers)
+                                       self.model_cfg.moe_layers, batch["mask"],
+                                       batch["token_staleness"])
     loss = out.loss + share * (self.moe_aux_loss_coef * terms["load_balance"]
                                + self.cfg.moe_z_loss_coef * terms["z_loss"])
     metrics = dict(out.metrics)
@@ -492,7 +511,7 @@ class Learner:
     loss = scalar
     for seq_len in sorted(set(int(s) for s in seq_lens)):
       micro = {key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
-               for key, (shape, dtype) in batch_shapes(rows, seq_len).items()}
+               for key, (shape, dtype) in batch_shapes(rows, seq_len, self.routing).items()}
       settings = self.loss_settings
       if self.ppo_minibatches > 1 and settings.needs_proximal and settings.proximal == "recompute":
         self._logprobs_fn.lower(params, micro).compile()
@@ -511,12 +530,16 @@ class Learner:
     ``benchmarks/learner_memory.py`` compares across memory settings.
     """
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
-             for k, (shape, dtype) in batch_shapes(batch_rows, seq_len).items()}
+             for k, (shape, dtype) in batch_shapes(batch_rows, seq_len, self.routing).items()}
     return self._step_fn.lower(self.state, batch).compile()
 
   def batch_template(self, batch_rows: int, seq_len: int) -> dict[str, np.ndarray]:
     """Zeros shaped like a host batch of ``[batch_rows, seq_len]`` rows."""
-    return {k: np.zeros(shape, dtype) for k, (shape, dtype) in batch_shapes(batch_rows, seq_len).items()}
+    out = {k: np.zeros(shape, dtype)
+           for k, (shape, dtype) in batch_shapes(batch_rows, seq_len, self.routing).items()}
+    if "routing" in out:  # no route recorded (not expert 0 everywhere)
+      out["routing"][...] = np.iinfo(out["routing"].dtype).max
+    return out
 
   def detached_params(self, version: int | None = None) -> Any:
     """A device copy of the params that the next (donating) train step cannot clobber.

@@ -17,7 +17,7 @@ import ml_collections
 
 # ROPE_SCALINGS, and ATTENTION_IMPLS: the kernels of the cache-free attention
 # (jax_dora.model.transformer._attend); the config's model block owns both.
-from jax_dora.config.model import ATTENTION_IMPLS, ROPE_SCALINGS, ModelBlock
+from jax_dora.config.model import ATTENTION_IMPLS, MOE_IMPLS, ROPE_SCALINGS, ModelBlock
 from jax_dora.csv_fields import split_csv
 
 # The defaults of the run config's model block (the tiny native model): one
@@ -60,6 +60,9 @@ class ModelConfig:
     attention_impl: Kernel of the cache-free attention (training, prefill):
       ``"auto"`` (cuDNN flash attention on a GPU with 16-bit activations,
       XLA elsewhere), ``"xla"`` or ``"cudnn"``. A run choice like the dtypes.
+    moe_impl: The experts' matmul: ``"ragged"`` (grouped, ``ragged_dot``),
+      ``"dense"`` (every token through every expert) or ``"auto"`` (dense on
+      CPU, ragged elsewhere). A run choice; results are the same.
     num_experts: Experts of a mixture-of-experts feed-forward (Qwen3-MoE);
       0 = every layer has the dense SwiGLU MLP.
     num_experts_per_tok: Experts each token is routed to (top-k, dropless).
@@ -95,6 +98,7 @@ class ModelConfig:
   param_dtype: str = _BLOCK.param_dtype
   dtype: str = _BLOCK.dtype
   attention_impl: str = _BLOCK.attention_impl
+  moe_impl: str = _BLOCK.moe_impl
   num_experts: int = _BLOCK.num_experts
   num_experts_per_tok: int = _BLOCK.num_experts_per_tok
   moe_d_ff: int = _BLOCK.moe_d_ff
@@ -130,6 +134,8 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(
           f"model.attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+    if self.moe_impl not in MOE_IMPLS:
+      raise ValueError(f"model.moe_impl={self.moe_impl!r} is not one of {MOE_IMPLS}")
     for name in ("param_dtype", "dtype"):
       try:
         jnp.dtype(getattr(self, name))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jax_dora.model.config import ModelConfig
 from jax_dora.model.mlp import MLP
+from jax_dora.model.routing import ROUTED_IDS, ROUTING, sentinel
 
 # The name of the per-layer record in the ``intermediates`` collection.
 ROUTER_STATS = "router_stats"
@@ -89,6 +90,32 @@ def grouped_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, wi_0: jax.A
   return jnp.sum(unsorted.reshape(n, k, -1), axis=1)
 
 
+def all_experts_swiglu(x: jax.Array, ids: jax.Array, weights: jax.Array, wi_0: jax.Array,
+                       wi_1: jax.Array, wo: jax.Array) -> jax.Array:
+  """:func:`grouped_swiglu`'s result with every token through every expert.
+
+  ``E / k`` times the FLOPs, weights 0 outside each token's top-k. The CPU
+  path (``model.moe_impl=auto``): XLA:CPU expands ``ragged_dot`` into one
+  masked copy of the rows per expert and a dense product, so there three
+  plain batched matmuls are several times faster (``benchmarks/
+  moe_grouped_matmul.py --small``: 4.6x vs 32x the floor).
+  """
+  n, k = ids.shape
+  num_experts = wi_0.shape[0]
+  gate = jnp.einsum("nd,edf->enf", x, wi_0.astype(x.dtype))
+  up = jnp.einsum("nd,edf->enf", x, wi_1.astype(x.dtype))
+  out = jnp.einsum("enf,efd->end", nn.silu(gate) * up, wo.astype(x.dtype))  # [E, N, D]
+  combine = jnp.zeros((n, num_experts), x.dtype).at[jnp.arange(n)[:, None], ids].add(weights)
+  return jnp.einsum("end,ne->nd", out, combine)
+
+
+def moe_implementation(cfg: ModelConfig) -> str:
+  """The experts' matmul ``model.moe_impl`` picks here: ``ragged`` or ``dense``."""
+  if cfg.moe_impl != "auto":
+    return cfg.moe_impl
+  return "dense" if jax.default_backend() == "cpu" else "ragged"
+
+
 class MoE(nn.Module):
   """The mixture-of-experts feed-forward of one block (``cfg.is_moe_layer``).
 
@@ -101,11 +128,19 @@ class MoE(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, valid: jax.Array | None = None,
-               replay_ids: jax.Array | None = None) -> jax.Array:
-    """``x [B, T, D]``; ``valid [B, T]`` marks real tokens for the router statistics;
-    ``replay_ids [B, T, k]``: route to these experts (routing replay) instead of top-k."""
+               recorded_ids: jax.Array | None = None, replay: bool = True) -> jax.Array:
+    """``x [B, T, D]``; ``valid [B, T]`` marks real tokens for the router statistics.
+
+    ``recorded_ids [B, T, k]``: the experts a rollout server routed each
+    token to (``jax_dora.model.routing``; the sentinel = none recorded).
+    With ``replay`` they are used instead of this router's top-k (routing
+    replay; unrecorded positions take the top-k); either way the share of
+    recorded routes this router would not have picked is counted in the
+    router statistics (``route_diff`` / ``routed``).
+    """
     cfg = self.cfg
     e, f, d = cfg.num_experts, cfg.moe_d_ff, cfg.d_model
+    k = cfg.num_experts_per_tok
     init = nn.initializers.lecun_normal()
     logits = nn.Dense(
         e, use_bias=False, dtype=jnp.float32, param_dtype=cfg.jnp_param_dtype,
@@ -113,11 +148,19 @@ class MoE(nn.Module):
     )(x.astype(jnp.float32))
     b, t = x.shape[:2]
     flat_logits = logits.reshape(b * t, e)
-    if replay_ids is None:
-      weights, ids = route(flat_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    else:
-      ids = replay_ids.reshape(b * t, -1).astype(jnp.int32)
-      weights = replayed_weights(flat_logits, ids, cfg.norm_topk_prob)
+    weights, ids = route(flat_logits, k, cfg.norm_topk_prob)
+    diff = None
+    if recorded_ids is not None:
+      rec = recorded_ids.reshape(b * t, k).astype(jnp.int32)
+      has = jnp.all(rec != sentinel(e), axis=-1)  # [N]: a route was recorded
+      # Recorded experts the live router's top-k does not contain, per token.
+      diff = jnp.where(has, k - jnp.sum(jnp.any(rec[:, :, None] == ids[:, None, :], -1), -1), 0)
+      diff = (diff, has)
+      if replay:
+        ids = jnp.where(has[:, None], rec, ids)
+        weights = replayed_weights(flat_logits, ids, cfg.norm_topk_prob)
+    if self.is_mutable_collection(ROUTING):
+      self.sow(ROUTING, ROUTED_IDS, ids.reshape(b, t, k))
 
     def expert_param(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
       return self.param(name, nn.with_logical_partitioning(
@@ -128,8 +171,9 @@ class MoE(nn.Module):
     wi_0 = expert_param("wi_0", (e, d, f), ("expert", "embed", "mlp"))
     wi_1 = expert_param("wi_1", (e, d, f), ("expert", "embed", "mlp"))
     wo = expert_param("wo", (e, f, d), ("expert", "mlp", "embed"))
-    out = grouped_swiglu(x.reshape(b * t, d), ids, weights.astype(x.dtype), wi_0, wi_1, wo)
-    self._sow_stats(flat_logits, ids, None if valid is None else valid.reshape(-1))
+    experts = grouped_swiglu if moe_implementation(cfg) == "ragged" else all_experts_swiglu
+    out = experts(x.reshape(b * t, d), ids, weights.astype(x.dtype), wi_0, wi_1, wo)
+    self._sow_stats(flat_logits, ids, None if valid is None else valid.reshape(-1), diff)
     out = out.reshape(b, t, d)
     if cfg.shared_expert_d_ff:
       # Qwen2-MoE: a dense expert every token passes through, scaled by a
@@ -141,8 +185,10 @@ class MoE(nn.Module):
       out = out + nn.sigmoid(gate) * shared
     return out
 
-  def _sow_stats(self, logits: jax.Array, ids: jax.Array, valid: jax.Array | None) -> None:
-    """Per-layer sums for the auxiliary losses and the load metrics (masked to real tokens)."""
+  def _sow_stats(self, logits: jax.Array, ids: jax.Array, valid: jax.Array | None,
+                 diff: tuple[jax.Array, jax.Array] | None) -> None:
+    """Per-layer sums for the auxiliary losses and the load metrics (masked to real tokens);
+    ``diff``: per token, recorded routes the live top-k misses, and whether one was recorded."""
     if not self.is_mutable_collection("intermediates"):
       return
     e = self.cfg.num_experts
@@ -151,10 +197,17 @@ class MoE(nn.Module):
     hits = jnp.zeros((e,), jnp.float32).at[ids.reshape(-1)].add(
         jnp.repeat(w, ids.shape[1]))
     entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
-    self.sow("intermediates", ROUTER_STATS, {
+    stats = {
         "tokens": jnp.sum(w),  # real tokens routed
         "expert_hits": hits,  # [E] top-k assignments per expert
         "prob_sum": jnp.sum(probs * w[:, None], axis=0),  # [E] router probability mass
         "z_sum": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * w),
         "entropy_sum": jnp.sum(entropy * w),
-    })
+    }
+    if diff is not None:
+      # Per token (the learner splits them by the staleness of the version
+      # that recorded them): recorded routes the live top-k misses, and routes recorded.
+      per_token, has = diff
+      stats["route_diff"] = per_token * w
+      stats["routed"] = has * w * ids.shape[1]
+    self.sow("intermediates", ROUTER_STATS, stats)

@@ -46,6 +46,7 @@ from jax_dora.model.kv_cache import KVCache
 from jax_dora.model.mlp import MLP
 from jax_dora.model.moe import MoE
 from jax_dora.model.rope import apply_rope
+from jax_dora.model.routing import ROUTING
 
 # Finite "minus infinity": a fully masked row (e.g. a padded query) then gives
 # a uniform softmax instead of NaNs that would poison gradients.
@@ -306,16 +307,20 @@ class Block(nn.Module):
   attention_block: int = 0
   kv_bound: int | None = None
   moe: bool = False
+  replay_routing: bool = False  # route by ``recorded`` (else only compare with it)
 
   @nn.compact
-  def __call__(self, x, positions, mask=None, cache=None, rows=None, valid=None, layer=0):
+  def __call__(self, x, positions, mask=None, cache=None, rows=None, valid=None, layer=0,
+               recorded=None):
+    """``recorded [B, T, k]``: this MoE layer's routes from the rollout (an input, so
+    a rematerialised block replays the same experts in its backward pass)."""
     h, kv = Attention(self.cfg, self.mode, self.decode_attention, self.attention_block,
                       self.kv_bound, name="attn")(
                           _rms_norm(self.cfg, "attn_norm")(x), positions, mask, cache, rows, layer)
     x = x + h
     normed = _rms_norm(self.cfg, "mlp_norm")(x)
     if self.moe:
-      x = x + MoE(self.cfg, name="mlp")(normed, valid)
+      x = x + MoE(self.cfg, name="mlp")(normed, valid, recorded, self.replay_routing)
     else:
       x = x + MLP(self.cfg, name="mlp")(normed)
     return x, kv
@@ -405,6 +410,9 @@ class Transformer(nn.Module):
   # of the per-layer tree). Only the engine sets it (``DoraEngine(scan_layers=)``;
   # the learner's step is slower scanned): DESIGN.md, Scanning over layers.
   scan_layers: bool = False
+  # MoE, training only: route by the rollout's recorded experts (``routing``
+  # of ``__call__``) instead of this router's top-k: ``learner.moe_routing``.
+  replay_routing: bool = False
 
   def __call__(
       self,
@@ -413,6 +421,7 @@ class Transformer(nn.Module):
       attention_mask: jax.Array | None = None,
       return_hidden: bool = False,
       token_mask: jax.Array | None = None,
+      routing: jax.Array | None = None,
   ) -> jax.Array:
     """Training / scoring: the full sequence, causal attention.
 
@@ -427,13 +436,16 @@ class Transformer(nn.Module):
         from the hidden states in chunks (``jax_dora.model.logits``).
       token_mask: ``[B,T]``, real tokens: what an MoE model's router
         statistics (``intermediates``) count; attention is unaffected.
+      routing: ``[B,T,moe_layers,k]`` an MoE model's recorded routes
+        (``jax_dora.model.routing``): replayed with ``replay_routing``,
+        else only compared with the router's own choice (statistics).
 
     Returns:
       float32 ``logits[B,T,V]``, or the hidden states.
     """
     mask = None if attention_mask is None else attention_mask.astype(bool)
     out, _ = self._forward("train", tokens, positions, mask=mask, return_hidden=return_hidden,
-                           valid=token_mask)
+                           valid=token_mask, routing=routing)
     return out
 
   def prefill(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, KVCache]:
@@ -497,6 +509,7 @@ class Transformer(nn.Module):
       kv_bound: int | None = None,
       return_hidden: bool = False,
       valid: jax.Array | None = None,
+      routing: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """The layers every path shares; ``mode`` (static) picks the attention."""
     cfg = self.cfg
@@ -526,6 +539,9 @@ class Transformer(nn.Module):
       block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=True)
     layer_cache = None if cache is None else (cache.k, cache.v)  # read whole, in place
     block_args = (cfg, mode, self.decode_attention, self.attention_block, kv_bound)
+    if routing is not None and routing.shape[2] != len(cfg.moe_layers):
+      raise ValueError(f"routing records {routing.shape[2]} MoE layers, the model has"
+                       f" {len(cfg.moe_layers)} ({cfg.moe_layers})")
     if self.scan_layers:
       # One block compiled, run n_layers times over params stacked on a
       # leading "layers" axis; the layer index drives the decode cache read.
@@ -534,18 +550,24 @@ class Transformer(nn.Module):
         raise ValueError("scan_layers needs every layer alike: this MoE model mixes dense"
                          f" (mlp_only_layers / moe_layer_step) and MoE layers {cfg.moe_layers}")
       scanned = nn.scan(
-          block_cls, variable_axes={"params": 0, "intermediates": 0},
+          block_cls, variable_axes={"params": 0, "intermediates": 0, ROUTING: 0},
           split_rngs={"params": True},
-          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0,
+                   nn.broadcast if routing is None else 0),
           length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      x, kv = scanned(*block_args, moe=kinds.pop(), name="layers")(
+      x, kv = scanned(*block_args, moe=kinds.pop(), replay_routing=self.replay_routing,
+                      name="layers")(
           x, positions, mask, layer_cache, rows, valid,
-          jnp.arange(cfg.n_layers, dtype=jnp.int32))
+          jnp.arange(cfg.n_layers, dtype=jnp.int32),
+          None if routing is None else jnp.moveaxis(routing, 2, 0))
     else:
       per_layer = []
+      moe_index = {layer: j for j, layer in enumerate(cfg.moe_layers)}
       for i in range(cfg.n_layers):
-        x, kv = block_cls(*block_args, moe=cfg.is_moe_layer(i), name=f"layers_{i}")(
-            x, positions, mask, layer_cache, rows, valid, i)
+        recorded = None if routing is None or i not in moe_index else routing[:, :, moe_index[i]]
+        x, kv = block_cls(*block_args, moe=cfg.is_moe_layer(i), replay_routing=self.replay_routing,
+                          name=f"layers_{i}")(
+            x, positions, mask, layer_cache, rows, valid, i, recorded)
         per_layer.append(kv)
       kv = None if per_layer[0] is None else tuple(jnp.stack(t) for t in zip(*per_layer))
 

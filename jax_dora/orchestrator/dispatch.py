@@ -561,7 +561,8 @@ class Dispatcher:
     else:
       toks, lps, spans = np.zeros((0,), np.int32), np.zeros((0,), np.float32), ()
     return RolloutResult(rid, toks, lps, spans, "aborted", prefill_version=-1,
-                         incarnation=self.incarnation or "")
+                         incarnation=self.incarnation or "",
+                         routing=None if resume is None else resume.routing)
 
   async def run(
       self,
@@ -651,6 +652,7 @@ class Dispatcher:
       req.resume_tokens = resume.completion_tokens
       req.resume_logprobs = resume.behaviour_logprobs
       req.resume_spans = tuple(resume.spans)
+      req.resume_routing = resume.routing
     return req
 
   async def _run_on(self, name: str, prompt: Prompt, prompt_tokens: np.ndarray, member: int,
@@ -711,4 +713,5 @@ def to_trajectory(
       start_version=min((sp.version for sp in spans), default=result.prefill_version),
       submit_time=submit_time,
       finish_time=time.time(),
+      routing=result.routing,
   )

@@ -34,6 +34,11 @@ class TrainerLike(Protocol):
   def detached_params(self, version: int | None = None) -> Any:
     """A copy of the params a background publish may read while training goes on."""
 
+  # An MoE policy's recorded-routing spec ``((moe_layers, k), dtype)``
+  # (``learner.train_state.routing_spec``): batches then carry the rollout's
+  # routes. None for a dense policy.
+  routing: Any
+
 
 class PublisherLike(Protocol):
   """What the orchestrator needs from the snapshot store (``SnapshotPublisher``)."""

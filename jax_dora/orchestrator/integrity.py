@@ -323,6 +323,9 @@ class IntegrityLedger:
           # anything less means the learner's importance ratio lost its
           # denominator for some token.
           "sampled_logprobs": int(np.isfinite(t.behaviour_logprobs[t.sampled_mask()]).sum()),
+          # MoE: positions the trained tokens condition on with no recorded
+          # route (routing replay would route them by the learner's own top-k).
+          **({"unrouted": t.unrouted_positions()} if t.routing is not None else {}),
           "learner_version": int(learner_version), "step": int(step),
           "start_version": int(t.start_version), "finish_version": int(t.finish_version),
           "reward": None if t.reward is None else float(t.reward),
@@ -397,6 +400,9 @@ class IntegrityLedger:
         if "sampled_logprobs" in r and r["sampled_logprobs"] != r["sampled_tokens"]:
           out.append(f"{key}: {r['sampled_tokens'] - r['sampled_logprobs']} sampled token(s)"
                      " without a behaviour log-prob")
+        if r.get("unrouted", 0):
+          out.append(f"{key}: {r['unrouted']} position(s) before its last sampled token have"
+                     " no recorded MoE route")
         for call in r.get("tool_calls", ()):
           span = [int(call["start"]), int(call["end"])]
           if span not in [list(c) for c in r.get("context", ())] or (

@@ -208,6 +208,10 @@ class ToolLoop:
     traj.behaviour_logprobs = np.concatenate(
         [traj.behaviour_logprobs, np.zeros((len(ids),), np.float32)])
     traj.context_spans = [*traj.context_spans, (start, start + len(ids))]
+    if traj.routing is not None:  # not run yet: the next turn's prefill records them
+      gap = np.full((len(ids),) + traj.routing.shape[1:], np.iinfo(traj.routing.dtype).max,
+                    traj.routing.dtype)
+      traj.routing = np.concatenate([traj.routing, gap])
     ran = arguments is not None and len(traj.tool_calls) < self.max_calls
     # "call": what the tool ran (None when it did not run: over the limit, or
     # no parsable call); "parsed": what was cut out of the turn either way.

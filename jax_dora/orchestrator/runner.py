@@ -396,7 +396,8 @@ class Orchestrator:
         eps=self.cfg.learner.advantage_eps)
     seq_len = bucket_length(trajs, self._seq_buckets)
     batch = make_batch(trajs, adv, seq_len, self.tokenizer.pad_id, learner_version=self.version,
-                       mask_truncated=self.cfg.learner.mask_truncated)
+                       mask_truncated=self.cfg.learner.mask_truncated,
+                       routing=self.learner.routing)
     self.zero_variance.new_step()
     self._judged.difference_update(g[0].sample_id for g in groups)
     t0 = time.time()

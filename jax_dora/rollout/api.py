@@ -60,6 +60,12 @@ class RolloutRequest:
   resume_tokens: np.ndarray | None = None
   resume_logprobs: np.ndarray | None = None
   resume_spans: tuple[TokenSpan, ...] = ()
+  # MoE: the routes recorded for prompt + resume so far (``[len(prompt) +
+  # len(resume), moe_layers, k]``, ``jax_dora.model.routing``; the sentinel
+  # where none was). The server keeps them and fills only the gaps from this
+  # request's prefill, so the record stays the routing each token was
+  # generated under across resumes and tool turns.
+  resume_routing: np.ndarray | None = None
   # Generate exactly ``max_new_tokens`` (EOS does not end the request), as
   # vLLM's ``ignore_eos``: lets a benchmark fix every rollout's length to the
   # workload's instead of to whatever the policy currently emits.
@@ -101,6 +107,11 @@ class RolloutResult:
   prefill_version: int  # version that computed the prompt's KV cache this time
   incarnation: str = ""  # run incarnation of the versions that generated it
   server: str = ""  # which server generated it (set by the dispatcher; hold affinity)
+  # MoE: ``[len(prompt) + len(completion), moe_layers, k]`` the experts each
+  # token was routed to when the server ran it (``jax_dora.model.routing``:
+  # uint8 for up to 254 experts, the sentinel where none was, e.g. the last
+  # token); None from a dense model. What routing replay trains with.
+  routing: np.ndarray | None = None
 
 
 @dataclasses.dataclass

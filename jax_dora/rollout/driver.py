@@ -46,7 +46,8 @@ import jax
 import numpy as np
 
 from jax_dora.rollout import api
-from jax_dora.rollout.engine import DecodeHint, DoraEngine, MultiVersionParams, PrefillWork
+from jax_dora.model import routing
+from jax_dora.rollout.engine import DecodeHint, DoraEngine, FirstToken, MultiVersionParams, PrefillWork
 from jax_dora.rollout.version_store import LoadDecision, VersionStore
 from jax_dora.snapshots import SnapshotReader
 from jax_dora.types import TokenSpan
@@ -83,6 +84,9 @@ class _Active:
   # Multi-turn: token ids that may complete a stop string (checked on the
   # decoded tail only when one of them is sampled), and the strings.
   stop_triggers: frozenset[int] = frozenset()
+  # MoE: routes of every position the slot runs, ``[context_len + budget,
+  # moe_layers, k]`` (``jax_dora.model.routing``); None for a dense model.
+  routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -96,7 +100,7 @@ class _Step:
 
   result: object
   owners: np.ndarray
-  firsts: list[tuple[int, int, jax.Array, int]]  # (slot, owner id, device array, row)
+  firsts: list[tuple[int, int, FirstToken]]  # (slot, owner id, where its first token is)
   dispatched_at: float
 
 
@@ -519,13 +523,13 @@ class RolloutDriver:
       toks, lps, spans = _resume_parts(q.request)
       self._safe_call(q.callback, api.RolloutResult(
           q.request.request_id, toks, lps, spans, "aborted", prefill_version=-1,
-          incarnation=self._incarnation or ""))
+          incarnation=self._incarnation or "", routing=q.request.resume_routing))
     for i, s in enumerate(self._slots):
       if s is not None and s.request.request_id in aborts:
         self._finish(i, "aborted")
 
   # ------------------------------------------------------------- admission
-  def _admit(self) -> list[tuple[int, int, jax.Array, int]]:
+  def _admit(self) -> list[tuple[int, int, FirstToken]]:
     """Fills free slots from the queue: one batched prefill per version.
 
     Requests of one round that share a context (a GRPO group's members) are
@@ -552,13 +556,16 @@ class RolloutDriver:
           self._state)
       self._busy_s += time.perf_counter() - t0
       self.prefill_work.add(work)
-      for (q, slot, context, budget), (arr, row) in zip(entries, out):
+      for (q, slot, context, budget), first in zip(entries, out):
+        routes = (None if self.engine.routing_shape is None
+                  else routing.empty_record(self.engine.model_cfg, len(context) + budget))
         owner = self._occupy(slot, _Active(q.request, q.callback, version, slot,
                                            context_len=len(context), budget=budget,
                                            stream=q.stream,
-                                           stop_triggers=self._triggers(q.request.stop_strings)))
+                                           stop_triggers=self._triggers(q.request.stop_strings),
+                                           routes=routes))
         self._resumed_prefill_tokens += len(context) - len(q.request.prompt_tokens)
-        firsts.append((slot, owner, arr, row))
+        firsts.append((slot, owner, first))
     return firsts
 
   def _prepare(self, q: _Queued) -> tuple[int, np.ndarray, int] | None:
@@ -590,6 +597,7 @@ class RolloutDriver:
         raise ValueError(
             f"prompt + resume = {len(context)} tokens leaves no room in max_seq_len="
             f"{self.engine.max_seq_len}")
+      self._check_resume_routing(req, len(context))
     except ValueError as e:
       self.store.release(version)
       self._safe_call(q.callback, api.RolloutError(f"{self.name}: bad request: {e}", (req.request_id,)))
@@ -598,9 +606,23 @@ class RolloutDriver:
       self.store.release(version)
       self._safe_call(q.callback, api.RolloutResult(
           req.request_id, resume, resume_lps, spans, "length", prefill_version=version,
-          incarnation=self._incarnation or ""))
+          incarnation=self._incarnation or "", routing=req.resume_routing))
       return None
     return version, context, budget
+
+  def _check_resume_routing(self, req: api.RolloutRequest, context_len: int) -> None:
+    """A request's recorded routes must be this model's, one row per context token."""
+    rec = req.resume_routing
+    if rec is None:
+      return
+    shape = self.engine.routing_shape
+    if shape is None:
+      raise ValueError("resume_routing sent to a dense model's server")
+    want = (context_len,) + shape
+    dtype = routing.routing_dtype(self.engine.model_cfg.num_experts)
+    if tuple(np.shape(rec)) != want or np.asarray(rec).dtype != dtype:
+      raise ValueError(f"resume_routing is {np.asarray(rec).dtype}{list(np.shape(rec))}, this"
+                       f" model records {dtype}{list(want)} (prompt + resume tokens, MoE layers, k)")
 
   def _occupy(self, slot: int, act: _Active) -> int:
     self._next_owner += 1
@@ -629,7 +651,7 @@ class RolloutDriver:
     self._to_free.clear()
 
   # ------------------------------------------------------------------ decode
-  def _dispatch(self, firsts: list[tuple[int, int, jax.Array, int]]) -> _Step:
+  def _dispatch(self, firsts: list[tuple[int, int, FirstToken]]) -> _Step:
     """Launches one decode step (every live version) without waiting for it."""
     occupied = self._owner >= 0
     versions = collections.Counter(s.version for s in self._slots if s is not None)
@@ -648,11 +670,18 @@ class RolloutDriver:
     """Records a finished step: admitted requests' first tokens, then every
     still-occupied slot's new token; finishes slots on a stop token or budget."""
     if step.firsts:
-      arrays = {id(arr): arr for _, _, arr, _ in step.firsts}
+      arrays = {id(a): a for _, _, f in step.firsts for a in (f.values, f.routes)
+                if a is not None}
       host = dict(zip(arrays, jax.device_get(list(arrays.values()))))
       slots = np.asarray([f[0] for f in step.firsts])
       keep = self._owner[slots] == np.asarray([f[1] for f in step.firsts])
-      values = np.stack([host[id(arr)][row] for _, _, arr, row in step.firsts])
+      values = np.stack([host[id(f.values)][f.row] for _, _, f in step.firsts])
+      for (slot, _, f), kept in zip(step.firsts, keep):
+        s = self._slots[slot]
+        if kept and f.routes is not None:
+          # The context's routes: recorded ones (a resume, a tool turn) stay.
+          fresh = host[id(f.routes)][f.row][:s.context_len]
+          s.routes[:s.context_len] = routing.keep_recorded(s.request.resume_routing, fresh)
       self._append(slots[keep], values[keep, 0].astype(np.int32), values[keep, 1])
     data = np.asarray(step.result.data)
     logprobs = np.asarray(step.result.logprobs)[:, 0]
@@ -668,6 +697,12 @@ class RolloutDriver:
     self._busy_s += max(0.0, ready - max(step.dispatched_at, self._device_free_at))
     self._device_free_at = ready
     rows = np.flatnonzero((step.owners >= 0) & (step.owners == self._owner))
+    if step.result.routes is not None:
+      # The step ran each row's previous token: its routes go to that position.
+      routes = np.asarray(step.result.routes)
+      for row in rows:
+        s = self._slots[row]
+        s.routes[s.context_len + int(self._count[row]) - 1] = routes[row]
     self._append(rows, data[rows, 0], logprobs[rows])
     if self._steps % self.chunk_steps == 0:
       for s in self._slots:
@@ -734,5 +769,6 @@ class RolloutDriver:
         finish_reason=reason,
         prefill_version=s.version,
         incarnation=self._incarnation or "",
+        routing=None if s.routes is None else s.routes[:s.context_len + n].copy(),
     )
     self._safe_call(s.callback, result)

@@ -12,7 +12,9 @@ things differ from a stock JetStream engine:
   therefore never mixes versions within a span by construction, while a single
   server can keep old trajectories running after a new policy arrives (DORA).
 * **Log-probs.** :class:`DoraResultTokens` carries the behaviour log-prob of
-  every sampled token, which the learner needs for importance ratios.
+  every sampled token, which the learner needs for importance ratios; for an
+  MoE policy it also carries the experts each fed token was routed to, and
+  the batched prefill the prompt's (routing replay, ``jax_dora.model.routing``).
 
 Every device function is jitted with fixed shapes: the decode state always has
 ``num_slots`` rows and a full ``max_seq_len`` cache, the slot index passed to
@@ -36,7 +38,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import flax.struct
@@ -58,6 +60,8 @@ from jax_dora.model import (
     suppress_mask,
 )
 from jax_dora.model import abstract_params as model_abstract_params
+from jax_dora.model import routing
+from jax_dora.model.routing import ROUTING
 from jax_dora.model.tokenizer import PolicyTokenizer
 from jax_dora.rollout.sampling import sample_tokens
 from jax_dora.snapshots import SnapshotReader, abstract_target_like
@@ -196,6 +200,9 @@ class DoraResultTokens(engine_api.ResultTokens):
   # attention bound, or more rows of a version than its pass holds), so
   # some row's result is wrong; the driver raises on it.
   hint_violated: Any = None
+  # MoE: ``[B, moe_layers, k]`` the experts each row's input token was routed
+  # to this step (``jax_dora.model.routing``); None for a dense model.
+  routes: Any = None
 
   def convert_to_numpy(self) -> "DoraResultTokens":
     return DoraResultTokens(
@@ -206,17 +213,30 @@ class DoraResultTokens(engine_api.ResultTokens):
         self.samples_per_slot,
         logprobs=None if self.logprobs is None else np.asarray(self.logprobs),
         hint_violated=None if self.hint_violated is None else np.asarray(self.hint_violated),
+        routes=None if self.routes is None else np.asarray(self.routes),
     )
 
   def copy_to_host_async(self) -> None:
     super().copy_to_host_async()
-    for extra in (self.logprobs, self.hint_violated):
+    for extra in (self.logprobs, self.hint_violated, self.routes):
       if isinstance(extra, jax.Array):
         extra.copy_to_host_async()
 
   def get_logprobs_at_slot(self, slot: int) -> np.ndarray:
     start = slot * self.samples_per_slot
     return self.logprobs[start:start + self.samples_per_slot, 0]
+
+
+class FirstToken(NamedTuple):
+  """Where an admitted request's first sampled token is (nothing read back yet).
+
+  ``values[row]`` = ``(token, logprob)``; for an MoE model ``routes[row]``
+  = its context's routes ``[T, moe_layers, k]`` (padded to the bucket).
+  """
+
+  values: jax.Array
+  row: int
+  routes: jax.Array | None = None
 
 
 @dataclasses.dataclass
@@ -292,6 +312,9 @@ class DoraEngine(engine_api.Engine):
       raise ValueError(f"attention_block={attention_block} must be >= 0 and prefill_batch_tokens="
                        f"{prefill_batch_tokens} >= 1")
     self.model_cfg = model_cfg
+    # MoE: every prefill and decode step also returns the experts each token
+    # was routed to (routing replay; ``jax_dora.model.routing``).
+    self.routing_shape = routing.routing_shape(model_cfg)
     self.tokenizer = tokenizer
     # scan_layers: prefill and decode programs loop over one compiled block
     # (DESIGN.md, Scanning over layers). Snapshots keep the per-layer layout;
@@ -401,7 +424,7 @@ class DoraEngine(engine_api.Engine):
         out_shardings=(st, self.replicated),
     )
     r = self.replicated
-    result_sharding = (st, r, r, r)
+    result_sharding = (st, r, r, r, r)
     # Static attention bound (and row count): one program per length bucket,
     # none with a data-dependent loop or branch.
     self._single_fn = jax.jit(
@@ -425,7 +448,8 @@ class DoraEngine(engine_api.Engine):
     st = self._state_sharding
     # New entries are [L, B, 1, Hkv, D] (not the cache's head-major layout).
     new = NamedSharding(self._mesh, P(None, self._slot_axis, None, self._heads_axis))
-    return (KVCache(k=new, v=new), st.tokens, st.tokens, st.tokens, self.replicated)
+    routes = None if self.routing_shape is None else st.tokens  # [B, moe_layers, k]
+    return (KVCache(k=new, v=new), st.tokens, st.tokens, st.tokens, self.replicated, routes)
 
   # ------------------------------------------------------------------- params
   def _prefix_sharding(self) -> Prefix:
@@ -633,7 +657,14 @@ class DoraEngine(engine_api.Engine):
     """
     u, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (u, t))
-    hidden, kv = self.model.apply({"params": params}, tokens, positions, method=Transformer.prefill)
+    routes = None
+    if self.routing_shape is None:
+      hidden, kv = self.model.apply({"params": params}, tokens, positions,
+                                    method=Transformer.prefill)
+    else:
+      (hidden, kv), recorded = self.model.apply(
+          {"params": params}, tokens, positions, method=Transformer.prefill, mutable=[ROUTING])
+      routes = routing.collect(recorded, self.model_cfg)[src]  # [N, T, moe_layers, k]
     # Only each context's last real position is sampled from: [U, V], not [U, T, V].
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = head_logits(last, head_weight(self.model_cfg, params))
@@ -662,12 +693,12 @@ class DoraEngine(engine_api.Engine):
         version=state.version.at[slots].set(version, mode="drop"),
         active=state.active.at[slots].set(True, mode="drop"),
     )
-    return new_state, jnp.stack([tok.astype(jnp.float32), logp], axis=1)
+    return new_state, (jnp.stack([tok.astype(jnp.float32), logp], axis=1), routes)
 
   def prefill_insert_batch_async(
       self, params: Params, version: int, contexts: Sequence[np.ndarray], slots: Sequence[int],
       decode_state: DecodeState,
-  ) -> tuple[DecodeState, list[tuple[jax.Array, int]], PrefillWork]:
+  ) -> tuple[DecodeState, list[FirstToken], PrefillWork]:
     """Prefills ``contexts[i]`` into ``slots[i]`` (all on ``version``), batched.
 
     One admission round becomes a few device calls: contexts are grouped by
@@ -675,8 +706,10 @@ class DoraEngine(engine_api.Engine):
     computed once when ``share_prompt_prefill`` is on, and each call holds up
     to ``prefill_rows`` distinct contexts. Nothing is read back: returns the
     new state (``decode_state`` is donated), ``firsts`` where request ``i``'s
-    first ``(token, logprob)`` is row ``firsts[i][1]`` of device array
-    ``firsts[i][0]``, and the prefill work done (for metrics).
+    first ``(token, logprob)`` is row ``firsts[i].row`` of device array
+    ``firsts[i].values`` (and, for an MoE model, its context's routes row
+    ``row`` of ``firsts[i].routes``, ``[N, T, moe_layers, k]``), and the
+    prefill work done (for metrics).
     """
     if len(contexts) != len(slots):
       raise ValueError(f"{len(contexts)} contexts for {len(slots)} slots")
@@ -719,9 +752,10 @@ class DoraEngine(engine_api.Engine):
             row += 1
         state, out = self._prefill_batch_fn(
             params, state, tokens, lengths, src, dst, counts, np.int32(version), self._base_key)
+        values, routes = out
         for _, users in chunk:
           for i in users:
-            firsts[i] = (out, firsts[i])
+            firsts[i] = FirstToken(values, firsts[i], routes)
         work.calls += 1
         work.computed_tokens += sum(len(c) for c, _ in chunk)
         work.padded_tokens += u * t
@@ -741,8 +775,7 @@ class DoraEngine(engine_api.Engine):
       raise ValueError(f"true_length={true_length} not in (0, {tokens.shape[0]}]")
     state, firsts, _ = self.prefill_insert_batch_async(
         params, version, [tokens[:true_length]], [slot], decode_state)
-    out, row = firsts[0]
-    tok, lp = np.asarray(out)[row]
+    tok, lp = np.asarray(firsts[0].values)[firsts[0].row]
     return state, int(tok), float(lp)
 
   def _bucket(self, n: int) -> int:
@@ -794,8 +827,12 @@ class DoraEngine(engine_api.Engine):
     b = state.tokens.shape[0]
     shape = (cfg.n_layers, b, 1, cfg.n_kv_heads, cfg.head_dim)
     new = KVCache(k=jnp.zeros(shape, state.cache.k.dtype), v=jnp.zeros(shape, state.cache.v.dtype))
+    routes = None
+    if self.routing_shape is not None:
+      routes = jnp.full((b,) + self.routing_shape, routing.sentinel(cfg.num_experts),
+                        routing.routing_dtype(cfg.num_experts))
     return (new, state.tokens, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool),
-            jnp.zeros((), bool))
+            jnp.zeros((), bool), routes)
 
   @staticmethod
   def _version_key(state: DecodeState, version) -> jax.Array:
@@ -803,24 +840,36 @@ class DoraEngine(engine_api.Engine):
     fused single-version program and in a multi-version pass)."""
     return jax.random.fold_in(jax.random.split(state.rng)[0], version)
 
+  def _decode_apply(self, params, tokens, positions, cache, rows, bound: int):
+    """``((logits, new entries), routes)``: the model's decode of ``tokens [R, 1]``;
+    ``routes [R, moe_layers, k]`` the experts each token went to (None: dense)."""
+    if self.routing_shape is None:
+      return self.model.apply({"params": params}, tokens, positions, cache, rows=rows,
+                              kv_bound=bound, method=Transformer.decode), None
+    out, recorded = self.model.apply({"params": params}, tokens, positions, cache, rows=rows,
+                                     kv_bound=bound, method=Transformer.decode,
+                                     mutable=[ROUTING])
+    return out, routing.collect(recorded, self.model_cfg)[:, 0]
+
   def _decode_version_impl(self, params, state: DecodeState, acc, version, bound: int):
     """One decode pass of ``version`` over every slot; keeps the rows pinned to it.
 
     Rows of other versions run too (a full pass is cheaper than gathering
     when ``version`` holds most slots) and are discarded.
     """
-    acc_new, acc_tokens, acc_logp, owned, bad = acc
-    logits, new = self.model.apply(
-        {"params": params}, state.tokens[:, None], state.positions[:, None], state.cache,
-        kv_bound=bound, method=Transformer.decode)
+    acc_new, acc_tokens, acc_logp, owned, bad, acc_routes = acc
+    (logits, new), routes = self._decode_apply(
+        params, state.tokens[:, None], state.positions[:, None], state.cache, None, bound)
     tok, logp = sample_tokens(logits[:, 0], self._version_key(state, version), self.temperature,
                               self.top_p, self.suppress_mask)
     mine = state.active & (state.version == version)
     sel = mine[None, :, None, None, None]
     acc_new = KVCache(k=jnp.where(sel, new.k, acc_new.k), v=jnp.where(sel, new.v, acc_new.v))
     bad = bad | jnp.any(mine & (state.positions > bound))
+    if routes is not None:
+      acc_routes = jnp.where(mine[:, None, None], routes, acc_routes)
     return (acc_new, jnp.where(mine, tok, acc_tokens), jnp.where(mine, logp, acc_logp),
-            owned | mine, bad)
+            owned | mine, bad, acc_routes)
 
   def _decode_rows_impl(self, params, state: DecodeState, acc, version, size: int, bound: int):
     """Like :meth:`_decode_version_impl`, but computes only the (at most
@@ -830,16 +879,16 @@ class DoraEngine(engine_api.Engine):
     over every slot per version would multiply the decode cost by the number
     of live versions, while the rows themselves add up to one batch.
     """
-    acc_new, acc_tokens, acc_logp, owned, bad = acc
+    acc_new, acc_tokens, acc_logp, owned, bad, acc_routes = acc
     b = state.tokens.shape[0]
     mine = state.active & (state.version == version)
     idx = jnp.nonzero(mine, size=size, fill_value=b)[0]  # b = padding
     rows = jnp.minimum(idx, b - 1)
     # The full cache goes in with the row indices: attention reads only those
     # rows' entries below the bound instead of a gathered copy of whole rows.
-    logits, new = self.model.apply(
-        {"params": params}, state.tokens[rows][:, None], state.positions[rows][:, None],
-        state.cache, rows=rows, kv_bound=bound, method=Transformer.decode)
+    (logits, new), routes = self._decode_apply(
+        params, state.tokens[rows][:, None], state.positions[rows][:, None], state.cache, rows,
+        bound)
     tok, logp = sample_tokens(logits[:, 0], self._version_key(state, version), self.temperature,
                               self.top_p, self.suppress_mask)
     acc_new = KVCache(
@@ -847,8 +896,10 @@ class DoraEngine(engine_api.Engine):
         v=acc_new.v.at[:, idx].set(new.v, mode="drop"),
     )
     bad = bad | (jnp.sum(mine) > size) | jnp.any(mine & (state.positions > bound))
+    if routes is not None:
+      acc_routes = acc_routes.at[idx].set(routes, mode="drop")
     return (acc_new, acc_tokens.at[idx].set(tok, mode="drop"),
-            acc_logp.at[idx].set(logp, mode="drop"), owned | mine, bad)
+            acc_logp.at[idx].set(logp, mode="drop"), owned | mine, bad, acc_routes)
 
   def _decode_pass_impl(self, params, state: DecodeState, acc, version, *, size: int, bound: int):
     """One version's pass of a multi-version step (``size`` rows; all = full pass)."""
@@ -857,7 +908,7 @@ class DoraEngine(engine_api.Engine):
     return self._decode_rows_impl(params, state, acc, version, size, bound)
 
   def _finish_step_impl(self, state: DecodeState, acc):
-    new, tokens, logp, owned, bad = acc
+    new, tokens, logp, owned, bad, routes = acc
     s = self.model_cfg.max_seq_len
     active = state.active
     # ``tokens >= 0`` is always true, but it makes the in-place cache write
@@ -874,7 +925,7 @@ class DoraEngine(engine_api.Engine):
         cache=cache, tokens=tokens, positions=positions, lengths=lengths,
         rng=jax.random.split(state.rng)[1])
     data = jnp.stack([tokens, active.astype(jnp.int32), lengths], axis=1)
-    return new_state, data, logp[:, None], bad
+    return new_state, data, logp[:, None], bad, routes
 
   def _single_version_step_impl(self, params, state: DecodeState, version, *, bound: int):
     """The common one-live-version case: one pass, one in-place commit."""
@@ -930,8 +981,8 @@ class DoraEngine(engine_api.Engine):
       out = self._single_fn(params.params[v], decode_state, np.int32(v), bound=bound)
     else:
       out = self._multi_version_step(params, live, decode_state, hint, bound)
-    new_state, data, logp, bad = out
-    return new_state, self._result(data, logp, bad)
+    new_state, data, logp, bad, routes = out
+    return new_state, self._result(data, logp, bad, routes)
 
   def _multi_version_step(self, params: MultiVersionParams, live: Sequence[int],
                           state: DecodeState, hint: DecodeHint, bound: int):
@@ -949,7 +1000,8 @@ class DoraEngine(engine_api.Engine):
     return self._finish_fn(state, acc)
 
   @staticmethod
-  def _result(data: jax.Array, logp: jax.Array, bad: jax.Array) -> DoraResultTokens:
+  def _result(data: jax.Array, logp: jax.Array, bad: jax.Array,
+              routes: jax.Array | None) -> DoraResultTokens:
     return DoraResultTokens(
         data=data,
         tokens_idx=(0, 1),
@@ -958,6 +1010,7 @@ class DoraEngine(engine_api.Engine):
         samples_per_slot=1,
         logprobs=logp,
         hint_violated=bad,
+        routes=routes,
     )
 
   # ------------------------------------------------------------- decode state
