@@ -231,6 +231,13 @@ def main() -> int:
         if code != 0:
           print(f"learner exited with {code}; logs in {logs}", file=sys.stderr)
           return 2
+        if schedule:
+          # A fixed schedule is the point of the run: say so rather than audit a
+          # run that missed some of its events (the learner outran them).
+          print(f"the learner finished {learner.steps_logged()} steps before the schedule's"
+                f" last events {schedule} could be delivered (delivered {dict(events)});"
+                f" raise --steps; logs in {logs}", file=sys.stderr)
+          return 3
         break
       if now >= next_event and learner.steps_logged() >= next_step:
         next_event = now + args.interval

@@ -4,8 +4,9 @@
 64, top-2: 128 active hidden units per token (half the dense model's 256),
 twice its FFN parameters; load-balancing loss at 0.01. Lengths are fixed by the workload (``rollout.length_mode=answer``), so
 the rollout-length tail is the dense workload's by construction; what MoE
-changes is the per-token cost of rollout and training (on CPU, ``ragged_dot``
-is expanded per expert: DESIGN.md, "Mixture of experts").
+changes is the per-token cost of rollout and training (on CPU the experts run
+as all-experts einsums, ``model.moe_impl=auto``: DESIGN.md, "Mixture of experts")
+and the expert load (``train/moe/expert_load_max``).
 
 Usage: python benchmarks/modes.py --workload moe
 """
