@@ -51,6 +51,7 @@ from jax_dora.orchestrator.run_checkpoint import (
   prompt_to_json,
 )
 from jax_dora.orchestrator.runner import Orchestrator, PromptSupply, RunHooks
+from jax_dora.orchestrator.snapshot_audit import SnapshotAudit
 from jax_dora.policy import PolicySpec, resolve_policy
 from jax_dora.rewards import RewardScorer
 from jax_dora.snapshots import SnapshotPublisher
@@ -410,6 +411,7 @@ class Run:
                            after_step=after_step, samples=metrics.write_samples),
             incarnation=self.incarnation,
             tool_executor=rollout.tools,
+            snapshot_audit=SnapshotAudit(paths.snapshots, cfg.snapshots.verify_every),
         )
 
         async def main():
@@ -526,8 +528,12 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
     learner.state, meta = checkpointer.restore(resumed_step, learner.state)
 
   incarnation = group.broadcast_text(new_incarnation())
+  # Servers holding a cast copy (rollout.param_dtype) verify it against the
+  # checksums of the cast tree, which the publisher records too.
+  casts = ((cfg.rollout.param_dtype,)
+           if cfg.rollout.param_dtype and cfg.rollout.param_dtype != cfg.model.param_dtype else ())
   publisher = SnapshotPublisher(paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep or None,
-                                processes=procs, incarnation=incarnation)
+                                processes=procs, incarnation=incarnation, checksum_casts=casts)
   version = learner.step
   # Every version from the start one on is republished by this incarnation:
   # the directory may hold a killed run's later versions, or another run's

@@ -38,7 +38,7 @@ BLOCKS = [f.name for f in dataclasses.fields(RunConfig)
 
 
 def test_the_blocks_are_the_ones_users_override():
-  assert sorted(BLOCKS) == ["checkpoint", "data", "distributed", "eval", "learner", "metrics",
+  assert sorted(BLOCKS) == ["audit", "checkpoint", "data", "distributed", "eval", "learner", "metrics",
                             "model", "orchestrator", "pace", "reward", "rollout", "snapshots", "tools"]
 
 

@@ -54,13 +54,14 @@ def test_round_trip_params_and_metadata(tmp_path):
   reader = SnapshotReader(tmp_path / 'snaps')
   loaded, meta = reader.load(7)
   _assert_tree_equal(loaded, params)
+  assert set(meta.pop('checksums')) == {'published'}  # what readers verify against
   assert meta == {'version': 7, 'learner_step': 70}
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(loaded))
-  # Default load is the latest; missing metadata is stored as {}.
+  # Default load is the latest; missing metadata is stored as {} (plus the checksums).
   with SnapshotPublisher(tmp_path / 'snaps') as pub:
     assert pub.last_version == 7  # Picks up what is already on disk.
     pub.publish(8, params)
-  assert reader.load()[1] == {}
+  assert set(reader.load()[1]) == {'checksums'}
 
 
 def test_versions_and_retention(tmp_path):
@@ -199,6 +200,7 @@ def test_restore_onto_disjoint_named_sharding(tmp_path):
       },
   )
   loaded, meta = SnapshotReader(tmp_path).load(1, target=target)
+  meta.pop('checksums')
   assert meta == {'version': 1}
   rollout_devices = set(devices[4:8])
   for name in ('w', 'b'):

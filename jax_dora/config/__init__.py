@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from jax_dora.config.audit import AuditConfig
 from jax_dora.config.block import ConfigBlock, ConfigError
 from jax_dora.config.checkpoint import CheckpointConfig, SnapshotsConfig
 from jax_dora.config.data import DataConfig
@@ -36,7 +37,7 @@ from jax_dora.orchestrator.modes import MODES as _MODE_STRATEGIES
 MODES = tuple(_MODE_STRATEGIES)
 
 __all__ = [
-    "CheckpointConfig", "ConfigBlock", "ConfigError", "DataConfig", "DistributedConfig",
+    "AuditConfig", "CheckpointConfig", "ConfigBlock", "ConfigError", "DataConfig", "DistributedConfig",
     "EvalConfig", "LENGTH_MODES", "LearnerConfig", "MODES", "MetricsConfig", "ModelBlock",
     "OrchestratorConfig", "PaceConfig", "RewardConfig", "RolloutConfig", "RunConfig",
     "SnapshotsConfig", "ToolsConfig", "base_config", "hf_model_config", "validate",

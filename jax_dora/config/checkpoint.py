@@ -35,6 +35,13 @@ class SnapshotsConfig(ConfigBlock):
       4, "Versions kept; 0 = every version (benchmarks/time_to_reward.py evaluates them after"
       " the run).")
 
+  verify_every: int = field(
+      10, "Every this many versions the learner checks the published snapshot's checksums"
+      " against its own parameters at that version (a difference is an integrity violation);"
+      " servers verify every snapshot they load. 0 = the learner does not check.")
+
   def __post_init__(self):
     if self.max_to_keep < 0:
       self.fail("max_to_keep", "must be >= 1, or 0 to keep every version")
+    if self.verify_every < 0:
+      self.fail("verify_every", "must be >= 0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from jax_dora.config.audit import AuditConfig
 from jax_dora.config.block import ConfigBlock, choice, field
 from jax_dora.config.checkpoint import CheckpointConfig, SnapshotsConfig
 from jax_dora.config.data import DataConfig
@@ -63,6 +64,7 @@ class RunConfig(ConfigBlock):
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+  audit: AuditConfig = dataclasses.field(default_factory=AuditConfig)
 
   def __post_init__(self):
     choice(self.BLOCK, "mode", self.mode, tuple(MODES))

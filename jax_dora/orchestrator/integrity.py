@@ -228,6 +228,13 @@ class IntegrityLedger:
     if ev == "run_start":
       self._incarnation = r.get("incarnation") or ""
       return
+    if ev == "snapshot_mismatch":
+      # A published version whose parameters are not the learner's at that version.
+      if not carried:
+        self._event_violations.append(
+            f"snapshot version {r['version']}: {r['problem']} (the learner's own parameters at"
+            " that version differ from the published record)")
+      return
     sid = int(r["sample_id"])
     if carried:
       # Earlier runs: only what was made final matters here.
@@ -288,6 +295,10 @@ class IntegrityLedger:
       self._trained.append(dict(r, carried=False))
     else:
       raise ValueError(f"unknown ledger event {ev!r}")
+
+  def snapshot_mismatch(self, version: int, problem: str) -> None:
+    """The snapshot published as ``version`` is not the learner's parameters at it."""
+    self._emit({"event": "snapshot_mismatch", "version": int(version), "problem": str(problem)})
 
   def issued(self, sample_id: int, member: int, version: int) -> None:
     """A rollout request for the key was sent (``version``: newest at that time)."""

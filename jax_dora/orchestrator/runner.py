@@ -36,6 +36,8 @@ from jax_dora.orchestrator import dynamic_sampling
 from jax_dora.rewards.overlong import overlong_penalty
 from jax_dora.orchestrator import staleness as staleness_lib
 from jax_dora.orchestrator.dispatch import Dispatcher, to_trajectory
+from jax_dora.orchestrator.reward_audit import RewardAudit
+from jax_dora.orchestrator.snapshot_audit import SnapshotAudit
 from jax_dora.orchestrator.evaluation import Evaluator, length_budget
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.modes import Mode, mode_class
@@ -98,6 +100,7 @@ class Orchestrator:
       hooks: RunHooks,
       incarnation: str = "",
       tool_executor: Any = None,
+      snapshot_audit: SnapshotAudit | None = None,
   ):
     cfg = RunConfig.of(cfg)  # typed from here on (a ConfigDict is validated block by block)
     self.cfg = cfg
@@ -115,7 +118,13 @@ class Orchestrator:
     # Multi-turn (tools.name): the calls go to ``tool_executor``
     # (jax_dora.tools.ToolExecutor); None = single-turn.
     self.tool_executor = tool_executor
+    # Published versions checked against the learner's own parameters
+    # (orchestrator.snapshot_audit); None = not checked.
+    self.snapshot_audit = snapshot_audit
+    self.reward_audit = RewardAudit(cfg.audit.verify_fraction, seed=cfg.seed)
     self.tool_audit: dict[str, int] = {}
+    # What the end-of-run audit re-verified, by kind (summary["audit"]).
+    self.audit_counts: dict[str, int] = {}
     self.tool_loop = ToolLoop.from_config(cfg.tools, tool_executor, tokenizer)
     if self.tool_loop is not None and tool_executor is None:
       raise ValueError("config.tools.name is set but no tool executor was given")
@@ -405,6 +414,7 @@ class Orchestrator:
     train_s = time.time() - t0
     step = self.learner.step
     self.ledger.trained(trajs, learner_version=self.version, step=step)
+    self.reward_audit.keep(trajs)
     for g in groups:
       self._outstanding.pop(g[0].sample_id, None)
     self._trained_tokens += int(sum(t.num_sampled_tokens for t in trajs))
@@ -416,18 +426,36 @@ class Orchestrator:
       # Only the copy blocks the learner: the next (donating) train step may
       # start while Orbax writes this one.
       snapshot = await asyncio.to_thread(self.learner.detached_params, new_version)
+      await self._remember_params(new_version)
       self.version = new_version
       self._background.submit(new_version, snapshot)
     else:
+      await self._remember_params(new_version)
       await asyncio.to_thread(
           self.publisher.publish, new_version, self.learner.params, {"step": step}
       )
+      await self._check_published(new_version)
       self.version = new_version
     return self._step_record(step, trajs, train_metrics, wait_s, train_s, time.time() - t0)
 
   # -------------------------------------------------------------- publishing
+  async def _remember_params(self, version: int) -> None:
+    """The learner's own checksums of ``version``, if the snapshot audit checks it
+    (before the next step can donate the parameters)."""
+    if self.snapshot_audit is not None and self.snapshot_audit.wants(version):
+      await asyncio.to_thread(self.snapshot_audit.remember, version, self.learner.params)
+
+  async def _check_published(self, version: int) -> None:
+    if self.snapshot_audit is None:
+      return
+    problem = await asyncio.to_thread(self.snapshot_audit.check, version)
+    if problem is not None:
+      self.ledger.snapshot_mismatch(version, problem)
+
   async def on_published(self, version: int) -> None:
-    """Makes servers load ``version`` once it is written."""
+    """Makes servers load ``version`` once it is written (checked first when the
+    snapshot audit wants it: a background write is checked here)."""
+    await self._check_published(version)
     await self.dispatcher.broadcast_version(version)
     if self.strategy.interrupts_on_publish:
       # One version per server: interrupt in-flight rollouts so they resume
@@ -622,16 +650,26 @@ class Orchestrator:
         "final_eval": dict(self.evaluator.last_metrics) if final_eval is not None else {},
         "wasted_rollout_tokens": self._wasted_tokens,
         "generated_tokens": self._generated_tokens,
-        "integrity_violations": self.ledger.check() + await self._recheck_tools(),
+        "integrity_violations": (self.ledger.check() + await self._recheck_tools()
+                                 + await self._rescore_rewards()),
         # Groups that left without training, by reason (stale, pace_*, zero_variance).
         "rejected_groups": {dynamic_sampling.REASON: 0, "stale": 0, **self.ledger.reasons()},
     }
+    if self.snapshot_audit is not None:
+      self.audit_counts["snapshots_checked"] = self.snapshot_audit.checked
+    summary["audit"] = dict(self.audit_counts)
     if self.tool_loop is not None:
       summary["tool_audit"] = self.tool_audit
       summary["tools"] = self.tool_executor.metrics()
     if self.hooks.checkpoint_fn is not None:
       await self._checkpoint(self.learner.step)
     return summary
+
+  async def _rescore_rewards(self) -> list[str]:
+    """The audit's reward check (``audit.verify_fraction`` of the trained trajectories)."""
+    violations, count = await self.reward_audit.check(self.scorer, self.tokenizer)
+    self.audit_counts["rewards_rescored"] = count
+    return violations
 
   async def _recheck_tools(self) -> list[str]:
     """The audit's tool check: re-run a sample of the trained tool calls (multi-turn runs)."""

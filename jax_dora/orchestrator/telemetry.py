@@ -39,14 +39,16 @@ class RolloutTelemetry:
   and actually computed (group prefix sharing makes the second smaller);
   ``reprefill_tokens``: the resumed part of contexts, i.e. completions of
   interrupted rollouts prefilled again (AReaL-style interruption pays this
-  after every publish, DORA does not).
+  after every publish, DORA does not); ``snapshot_integrity_failures_total``:
+  snapshot loads the servers refused because the restored parameters were
+  not the ones their publisher recorded checksums of (since each started).
   """
 
   def __init__(self):
     self._last: dict[str, tuple[float, float, int, int, int, int, int]] = {}
 
   async def sample(self, clients: Sequence[Any]) -> dict[str, float | None]:
-    ratios, steps, passes = [], 0, 0
+    ratios, steps, passes, refused = [], 0, 0, 0
     prefill = [0, 0, 0]
     for c in clients:
       try:
@@ -54,6 +56,7 @@ class RolloutTelemetry:
       except Exception:  # pylint: disable=broad-exception-caught
         continue
       now = time.time()
+      refused += st.snapshot_integrity_failures
       prev = self._last.get(c.name)
       cur = (now, st.busy_time_s, st.decode_steps, st.decode_passes,
              st.prefill_requested_tokens, st.prefill_computed_tokens, st.resumed_prefill_tokens)
@@ -70,4 +73,6 @@ class RolloutTelemetry:
         "prefill_tokens": prefill[0],
         "prefill_tokens_computed": prefill[1],
         "reprefill_tokens": prefill[2],
+        # Snapshot loads the live servers refused: parameters not as published.
+        "snapshot_integrity_failures_total": refused,
     }

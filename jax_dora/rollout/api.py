@@ -136,6 +136,9 @@ class ServerStatus:
   prefill_computed_tokens: int = 0
   resumed_prefill_tokens: int = 0
   held_versions: tuple[int, ...] = ()  # versions pinned by holds (multi-turn), one per hold
+  # Snapshot loads refused because the restored parameters differ from the
+  # checksums their publisher recorded (``SnapshotIntegrityError``), since start.
+  snapshot_integrity_failures: int = 0
 
 
 def health_reply(name: str, instance: str, status: ServerStatus) -> dict:

@@ -49,7 +49,7 @@ from jax_dora.rollout import api
 from jax_dora.model import routing
 from jax_dora.rollout.engine import DecodeHint, DoraEngine, FirstToken, MultiVersionParams, PrefillWork
 from jax_dora.rollout.version_store import LoadDecision, VersionStore
-from jax_dora.snapshots import SnapshotReader
+from jax_dora.snapshots import SnapshotIntegrityError, SnapshotReader
 from jax_dora.types import TokenSpan
 
 _log = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ class RolloutDriver:
     self._stop_triggers: dict[tuple[str, ...], frozenset[int]] = {}
     self.prefill_work = PrefillWork()
     self._resumed_prefill_tokens = 0
+    self._integrity_failures = 0  # snapshot loads refused by their checksums
 
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
@@ -317,6 +318,7 @@ class RolloutDriver:
           prefill_computed_tokens=self.prefill_work.computed_tokens,
           resumed_prefill_tokens=self._resumed_prefill_tokens,
           held_versions=self._held_versions,
+          snapshot_integrity_failures=self._integrity_failures,
       )
 
   def stop(self, timeout_s: float = 30.0) -> None:
@@ -338,8 +340,11 @@ class RolloutDriver:
   def _do_load(self, version: int) -> None:
     try:
       params = self._load_fn(version, self._incarnation)
-    except BaseException:
+    except BaseException as e:
       self.store.abort_load(version)
+      if isinstance(e, SnapshotIntegrityError):
+        self._integrity_failures += 1
+        _log.error("%s: %s", self.name, e)
       raise
     self.store.finish_load(version, params)
     _log.debug("%s: loaded version %d (held: %s)", self.name, version, self.store.loaded)

@@ -3,6 +3,7 @@
 from jax_dora.snapshots.store import abstract_target_like
 from jax_dora.snapshots.store import SnapshotCorruptError
 from jax_dora.snapshots.store import SnapshotError
+from jax_dora.snapshots.store import SnapshotIntegrityError
 from jax_dora.snapshots.store import SnapshotNotFoundError
 from jax_dora.snapshots.store import SnapshotPublisher
 from jax_dora.snapshots.store import SnapshotReader
@@ -10,6 +11,7 @@ from jax_dora.snapshots.store import SnapshotReader
 __all__ = [
     'SnapshotCorruptError',
     'SnapshotError',
+    'SnapshotIntegrityError',
     'SnapshotNotFoundError',
     'SnapshotPublisher',
     'SnapshotReader',

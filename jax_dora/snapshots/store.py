@@ -50,6 +50,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jax_dora.snapshots import checksum
 from jax_dora.orbax_roles import (
   SAVE_LOCK,
   absolute_path,
@@ -85,6 +86,10 @@ class SnapshotNotFoundError(SnapshotError):
 
 class SnapshotCorruptError(SnapshotError):
   """A finalized version exists but cannot be read back."""
+
+
+class SnapshotIntegrityError(SnapshotCorruptError):
+  """A snapshot's parameters are not the ones its publisher recorded checksums of."""
 
 
 def _name_format() -> ocp.step.NameFormat:
@@ -137,6 +142,7 @@ class SnapshotPublisher:
       async_save: bool = False,
       processes: Collection[int] | None = None,
       incarnation: str | None = None,
+      checksum_casts: Collection[str] = (),
   ):
     """Opens (creating if needed) the snapshot directory.
 
@@ -152,8 +158,13 @@ class SnapshotPublisher:
         cluster. Readers never take part (see ``multiprocessing_options``).
       incarnation: The run incarnation written into every version's metadata
         (see the module docstring); ``None`` writes none.
+      checksum_casts: Dtypes readers restore into (``rollout.param_dtype``):
+        besides the published tree's checksums, every version records the
+        checksums of the tree cast to each, so a server holding a cast copy
+        can verify it too (``jax_dora.snapshots.checksum``).
     """
     self.incarnation = incarnation
+    self.checksum_casts = tuple(checksum_casts)
     self._async = bool(async_save)
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
@@ -229,6 +240,9 @@ class SnapshotPublisher:
       raise TypeError(f'metadata must be a dict, got {type(metadata)}')
     if self.incarnation is not None:
       metadata = dict(metadata, incarnation=self.incarnation)
+    # What readers verify the restored tree against: computed here, from the
+    # tree handed over, on its devices (one read of the parameters).
+    metadata = dict(metadata, checksums=checksum.record(params, self.checksum_casts))
     # Fail here, with a clear message, rather than inside Orbax's (possibly
     # background) writer after the params are already half written.
     try:
@@ -347,8 +361,13 @@ class SnapshotReader:
   stale. Safe to use from several threads.
   """
 
-  def __init__(self, directory: str | epath.Path):
+  def __init__(self, directory: str | epath.Path, verify_checksums: bool = True):
+    """``verify_checksums``: check every loaded tree against the checksums its
+    publisher recorded (``SnapshotIntegrityError`` on a difference)."""
     self._directory = absolute_path(directory)
+    self.verify_checksums = bool(verify_checksums)
+    # Loads refused because the restored tree is not the published one.
+    self.integrity_failures = 0
     # One Orbax Checkpointer for every load (a Checkpointer, unlike a
     # CheckpointManager, caches no step list, so it never goes stale):
     # constructing one per load was half the cost of loading a small policy,
@@ -430,6 +449,7 @@ class SnapshotReader:
     if version is not None:
       params, metadata = self._load_version(int(version), target)
       self._check_incarnation(int(version), metadata, incarnation)
+      self._verify(int(version), params, metadata)
       return params, metadata
     for _ in range(_LATEST_RETRIES):
       latest = self.latest_version()
@@ -442,6 +462,7 @@ class SnapshotReader:
       except SnapshotNotFoundError:
         continue  # Retired while we read it; a newer one exists.
       self._check_incarnation(latest, metadata, incarnation)
+      self._verify(latest, params, metadata)
       return params, metadata
     raise SnapshotNotFoundError(
         f'Latest snapshot in {self._directory} kept being garbage-collected '
@@ -474,6 +495,25 @@ class SnapshotReader:
           f'Snapshot version {version} in {self._directory}: unreadable metadata:'
           f' {type(e).__name__}: {e}'
       ) from e
+
+  def _verify(self, version: int, params: PyTree, metadata: dict[str, Any]) -> None:
+    """Raises ``SnapshotIntegrityError`` unless ``params`` are what the publisher recorded.
+
+    Versions published before checksums existed carry none and pass.
+    """
+    tables = metadata.get('checksums')
+    if not self.verify_checksums or not tables:
+      return
+    problem, unverified = checksum.first_mismatch(checksum.checksums(params), tables)
+    if problem is not None:
+      self.integrity_failures += 1
+      raise SnapshotIntegrityError(
+          f'Snapshot version {version} in {self._directory} does not hold the parameters its'
+          f' publisher recorded: {problem}. Refusing to load it.'
+      )
+    if unverified:
+      _log.debug('snapshot version %d: %d leaves restored in a dtype without a recorded'
+                 ' checksum, not verified', version, unverified)
 
   def _check_incarnation(
       self, version: int, metadata: dict[str, Any], incarnation: str | None

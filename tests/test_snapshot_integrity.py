@@ -1,0 +1,149 @@
+"""Snapshot integrity (issue 28, item 3): checksums recorded at publish, verified at load and
+against the learner's own parameters.
+
+Oracle for the checksum: the two 32-bit sums computed here by hand in numpy. Faults are
+injected at run time: parameters perturbed between the checksum and the write (a server
+must refuse the version, naming it and the leaf), and a publisher handed other parameters
+than the learner's (the learner's own check must report it as an integrity violation).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_dora.snapshots import (
+    SnapshotIntegrityError,
+    SnapshotPublisher,
+    SnapshotReader,
+    abstract_target_like,
+    checksum,
+)
+from jax_dora.snapshots import store
+
+
+def _by_hand(x: np.ndarray) -> tuple[int, int]:
+  bits = x.reshape(-1).view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(np.uint64)
+  weight = 2 * np.arange(bits.size, dtype=np.uint64) + 1
+  return int(bits.sum() % 2**32), int((bits * weight % 2**32).sum() % 2**32)
+
+
+def _tree():
+  rng = np.random.default_rng(0)
+  return {"a": {"kernel": rng.normal(size=(8, 6)).astype(np.float32)},
+          "b": rng.normal(size=(16,)).astype(np.float32)}
+
+
+def test_checksums_equal_a_hand_computation_whatever_the_sharding():
+  tree = _tree()
+  host = checksum.checksums(tree)
+  assert host["a/kernel"] == ("float32", *_by_hand(tree["a"]["kernel"]))
+  assert host["b"] == ("float32", *_by_hand(tree["b"]))
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+  sharded = {"a": {"kernel": jax.device_put(tree["a"]["kernel"], NamedSharding(mesh, P("x", "y")))},
+             "b": jax.device_put(tree["b"], NamedSharding(mesh, P("y")))}
+  assert checksum.checksums(sharded) == host
+  cast = checksum.checksums(tree, cast="bfloat16")
+  assert cast["b"] == ("bfloat16", *_by_hand(tree["b"].astype(ml_dtypes.bfloat16)))
+  # One flipped bit, or two swapped elements, change the sums.
+  flipped = {"a": tree["a"], "b": tree["b"].copy()}
+  flipped["b"].view(np.uint32)[3] ^= 1
+  assert checksum.checksums(flipped)["b"] != host["b"]
+  swapped = {"a": tree["a"], "b": tree["b"][[1, 0] + list(range(2, 16))]}
+  assert checksum.checksums(swapped)["b"][2] != host["b"][2]  # the weighted sum
+
+
+@pytest.mark.parametrize("restore_dtype", ["float32", "bfloat16"])
+def test_a_snapshot_changed_after_its_checksum_is_refused(tmp_path, monkeypatch, restore_dtype):
+  """What a server restores (as published, or cast to bfloat16 as rollout.param_dtype
+  does) is checked against the publisher's record; a perturbation between the checksum
+  and the write stops the load naming the version and the leaf."""
+  tree = _tree()
+  publisher = SnapshotPublisher(tmp_path, max_to_keep=None, checksum_casts=("bfloat16",))
+  publisher.publish(0, tree)
+  real = store.savable
+  monkeypatch.setattr(store, "savable", lambda t: real(
+      jax.tree.map(lambda x: x, t) | {"b": np.asarray(t["b"]) + np.float32(1e-3)}))
+  publisher.publish(1, tree)
+  publisher.close()
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = abstract_target_like(jax.tree.map(lambda x: x.astype(restore_dtype), tree), device)
+  reader = SnapshotReader(tmp_path)
+  params, meta = reader.load(0, target=target)
+  assert set(meta["checksums"]) == {"published", "bfloat16"}
+  assert params["b"].dtype == jnp.dtype(restore_dtype)
+  with pytest.raises(SnapshotIntegrityError, match=r"version 1 .*leaf b \("):
+    reader.load(1, target=target)
+  assert reader.integrity_failures == 1
+  SnapshotReader(tmp_path, verify_checksums=False).load(1, target=target)  # the opt-out
+
+
+def test_a_run_publishing_other_params_than_the_learners_fails_its_audit(tmp_path, monkeypatch):
+  """The publisher is handed perturbed parameters (its checksums describe them, so servers
+  load them happily); the learner's own check of every version reports each one."""
+  from jax_dora.config import base_config  # pylint: disable=g-import-not-at-top
+  from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
+
+  real = SnapshotPublisher.publish
+
+  def perturbed(self, version, params, metadata=None):
+    if version >= 2:
+      params = jax.tree.map(lambda x: x * 1.001, params)
+    return real(self, version, params, metadata)
+
+  monkeypatch.setattr(SnapshotPublisher, "publish", perturbed)
+  cfg = base_config()
+  cfg.mode = "sync"
+  cfg.output_dir = str(tmp_path / "run")
+  cfg.total_steps = 3
+  cfg.progress_bar = False
+  cfg.eval.num_prompts = 0
+  cfg.eval.at_start = False
+  cfg.snapshots.verify_every = 1
+  summary = run_training(cfg)
+  bad = [v for v in summary["integrity_violations"] if v.startswith("snapshot version")]
+  assert [v.split(":")[0] for v in bad] == ["snapshot version 2", "snapshot version 3"], \
+      summary["integrity_violations"]
+  assert "the publisher recorded" in bad[0]
+  assert len(summary["integrity_violations"]) == 2
+
+
+def test_a_stored_reward_that_is_not_the_reward_functions_is_a_violation(tmp_path, monkeypatch):
+  """Rewards off by a constant for some trajectories (injected where the run records a
+  finished trajectory) are found by re-scoring every trained one; a clean run reports none."""
+  from jax_dora.config import base_config  # pylint: disable=g-import-not-at-top
+  from jax_dora.orchestrator.integrity import IntegrityLedger  # pylint: disable=g-import-not-at-top
+  from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
+
+  def run(name: str):
+    cfg = base_config()
+    cfg.mode = "dora_pace"
+    cfg.output_dir = str(tmp_path / name)
+    cfg.total_steps = 3
+    cfg.progress_bar = False
+    cfg.eval.num_prompts = 0
+    cfg.eval.at_start = False
+    cfg.audit.verify_fraction = 1.0
+    cfg.snapshots.verify_every = 1
+    return run_training(cfg)
+
+  clean = run("clean")
+  assert clean["integrity_violations"] == []
+  assert clean["audit"]["rewards_rescored"] == 3 * 8 * 8 and clean["audit"]["snapshots_checked"] >= 2
+
+  real = IntegrityLedger.finished
+
+  def wrong_reward(self, traj):
+    if traj.sample_id % 3 == 0:
+      traj.reward += 0.25
+    return real(self, traj)
+
+  monkeypatch.setattr(IntegrityLedger, "finished", wrong_reward)
+  summary = run("faulty")
+  bad = summary["integrity_violations"]
+  assert bad and all("the reward functions give" in v for v in bad), bad
+  assert {int(v.split(",")[0].strip("(")) % 3 for v in bad} == {0}
