@@ -194,6 +194,10 @@ def test_mismatch_metrics_split_by_staleness():
   assert m["mismatch/kl_k3_stale_gt0"] == pytest.approx(k3, abs=1e-6)
   assert m["mismatch/abs_log_ratio_mean"] == pytest.approx(0.7 / 3, abs=1e-6)
   assert m["stale_token_frac"] == pytest.approx(2 / 3, abs=1e-6)
+  assert m["mismatch/abs_log_ratio_stale0_max"] == pytest.approx(0.0, abs=1e-7)
+  out = policy_loss(logp, blp, jnp.array([0.0]), jnp.array([[1.0, 1.0, 0.0]]), S,
+                    token_staleness=jnp.array([[0.0, 0.0, 0.0]]))  # the third is not trained
+  assert float(out.metrics["mismatch/abs_log_ratio_stale0_max"]) == pytest.approx(0.5, abs=1e-6)
 
 
 def _random_case(seed):

@@ -127,6 +127,11 @@ def policy_loss(
       "mismatch/kl_k3_stale0": mean_over(k3(mismatch), fresh, totals.fresh_tokens),
       "mismatch/log_ratio_mean_stale_gt0": mean_over(mismatch, stale, totals.stale_tokens),
       "mismatch/kl_k3_stale_gt0": mean_over(k3(mismatch), stale, totals.stale_tokens),
+      # Largest |learner - behaviour| log-prob over tokens labelled with the
+      # learner's current version: the two computed the same distribution, so
+      # anything beyond the engines' rounding says the label is wrong (issue 28:
+      # the free half of verifying version labels; older ones need their snapshot).
+      "mismatch/abs_log_ratio_stale0_max": jnp.where(fresh > 0, jnp.abs(mismatch), 0.0).max(),
       "stale_token_frac": token_mean((staleness > 0).astype(jnp.float32)),
   }
   return LossOutput(loss, metrics)
