@@ -118,7 +118,7 @@ def test_engine_decode_matches_transformers_for_four_live_versions(hf_dirs, fami
       tok0, lp0 = np.asarray(first.values)[first.row]
       out[slot] = ([int(tok0)], [float(lp0)])
       if engine.routing_shape is not None:
-        routes[slot] = list(np.asarray(first.routes)[first.row][:len(prompts[slot])])
+        routes[slot] = list(np.asarray(first.routes)[first.context][:len(prompts[slot])])
   for _ in range(12):
     state, res = engine.generate(mv, state)
     res = res.convert_to_numpy()

@@ -685,7 +685,7 @@ class RolloutDriver:
         s = self._slots[slot]
         if kept and f.routes is not None:
           # The context's routes: recorded ones (a resume, a tool turn) stay.
-          fresh = host[id(f.routes)][f.row][:s.context_len]
+          fresh = host[id(f.routes)][f.context][:s.context_len]
           s.routes[:s.context_len] = routing.keep_recorded(s.request.resume_routing, fresh)
       self._append(slots[keep], values[keep, 0].astype(np.int32), values[keep, 1])
     data = np.asarray(step.result.data)

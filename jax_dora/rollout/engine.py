@@ -230,13 +230,17 @@ class DoraResultTokens(engine_api.ResultTokens):
 class FirstToken(NamedTuple):
   """Where an admitted request's first sampled token is (nothing read back yet).
 
-  ``values[row]`` = ``(token, logprob)``; for an MoE model ``routes[row]``
-  = its context's routes ``[T, moe_layers, k]`` (padded to the bucket).
+  ``values[row]`` = ``(token, logprob)``; for an MoE model
+  ``routes[context]`` = its context's routes ``[T, moe_layers, k]`` (padded
+  to the bucket). Routes come per distinct context, not per slot: a GRPO
+  group's G members share one row, and the transfer stays within the call's
+  ``prefill_batch_tokens`` (a per-slot copy would be ``num_slots x T`` rows).
   """
 
   values: jax.Array
   row: int
   routes: jax.Array | None = None
+  context: int = 0
 
 
 @dataclasses.dataclass
@@ -664,7 +668,7 @@ class DoraEngine(engine_api.Engine):
     else:
       (hidden, kv), recorded = self.model.apply(
           {"params": params}, tokens, positions, method=Transformer.prefill, mutable=[ROUTING])
-      routes = routing.collect(recorded, self.model_cfg)[src]  # [N, T, moe_layers, k]
+      routes = routing.collect(recorded, self.model_cfg)  # [U, T, moe_layers, k]
     # Only each context's last real position is sampled from: [U, V], not [U, T, V].
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = head_logits(last, head_weight(self.model_cfg, params))
@@ -708,7 +712,7 @@ class DoraEngine(engine_api.Engine):
     new state (``decode_state`` is donated), ``firsts`` where request ``i``'s
     first ``(token, logprob)`` is row ``firsts[i].row`` of device array
     ``firsts[i].values`` (and, for an MoE model, its context's routes row
-    ``row`` of ``firsts[i].routes``, ``[N, T, moe_layers, k]``), and the
+    ``firsts[i].context`` of ``firsts[i].routes``, ``[U, T, moe_layers, k]``), and the
     prefill work done (for metrics).
     """
     if len(contexts) != len(slots):
@@ -753,9 +757,9 @@ class DoraEngine(engine_api.Engine):
         state, out = self._prefill_batch_fn(
             params, state, tokens, lengths, src, dst, counts, np.int32(version), self._base_key)
         values, routes = out
-        for _, users in chunk:
+        for j, (_, users) in enumerate(chunk):
           for i in users:
-            firsts[i] = FirstToken(values, firsts[i], routes)
+            firsts[i] = FirstToken(values, firsts[i], routes, j)
         work.calls += 1
         work.computed_tokens += sum(len(c) for c, _ in chunk)
         work.padded_tokens += u * t
