@@ -453,9 +453,10 @@ class Orchestrator:
       self.ledger.snapshot_mismatch(version, problem)
 
   async def on_published(self, version: int) -> None:
-    """Makes servers load ``version`` once it is written (checked first when the
-    snapshot audit wants it: a background write is checked here)."""
-    await self._check_published(version)
+    """Makes servers load ``version`` once it is written. A background write is
+    checked here by the snapshot audit; a synchronous one already was, in ``train``."""
+    if self.publish_in_background:
+      await self._check_published(version)
     await self.dispatcher.broadcast_version(version)
     if self.strategy.interrupts_on_publish:
       # One version per server: interrupt in-flight rollouts so they resume

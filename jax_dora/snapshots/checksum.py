@@ -21,6 +21,7 @@ host: about one read of the parameters on their devices.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -41,9 +42,10 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
   return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
 
 
-@jax.jit
-def _tree_sums(leaves: list[jax.Array]) -> jax.Array:
-  return jnp.stack([_leaf_sums(x) for x in leaves])
+@functools.partial(jax.jit, static_argnames="cast")
+def _tree_sums(leaves: list[jax.Array], cast: str | None = None) -> jax.Array:
+  # The cast happens inside the program: no cast copy of the tree is materialised.
+  return jnp.stack([_leaf_sums(x if cast is None else x.astype(cast)) for x in leaves])
 
 
 def leaf_paths(tree: Any) -> list[tuple[str, Any]]:
@@ -61,13 +63,12 @@ def checksums(tree: Any, cast: Any = None) -> dict[str, LeafSum]:
   if not pairs:
     return {}
   leaves = [jnp.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf for _, leaf in pairs]
-  if cast is not None:
-    leaves = [x.astype(cast) for x in leaves]
-  out = _tree_sums(leaves)
+  cast = None if cast is None else jnp.dtype(cast).name
+  out = _tree_sums(leaves, cast)
   if not out.is_fully_addressable:  # multi-process: every process holds the replicated sums
     out = out.addressable_data(0)
   sums = np.asarray(jax.device_get(out))
-  return {path: (jnp.dtype(x.dtype).name, int(s[0]), int(s[1]))
+  return {path: (cast or jnp.dtype(x.dtype).name, int(s[0]), int(s[1]))
           for (path, _), x, s in zip(pairs, leaves, sums)}
 
 
