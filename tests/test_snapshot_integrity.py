@@ -82,11 +82,27 @@ def test_a_snapshot_changed_after_its_checksum_is_refused(tmp_path, monkeypatch,
   SnapshotReader(tmp_path, verify_checksums=False).load(1, target=target)  # the opt-out
 
 
+def _tiny_run(out, mode: str, verify_fraction: float | None = None) -> dict:
+  """A 3-step run of the tiny model that checks every published version."""
+  from jax_dora.config import base_config  # pylint: disable=g-import-not-at-top
+  from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
+
+  cfg = base_config()
+  cfg.mode = mode
+  cfg.output_dir = str(out)
+  cfg.total_steps = 3
+  cfg.progress_bar = False
+  cfg.eval.num_prompts = 0
+  cfg.eval.at_start = False
+  cfg.snapshots.verify_every = 1
+  if verify_fraction is not None:
+    cfg.audit.verify_fraction = verify_fraction
+  return run_training(cfg)
+
+
 def test_a_run_publishing_other_params_than_the_learners_fails_its_audit(tmp_path, monkeypatch):
   """The publisher is handed perturbed parameters (its checksums describe them, so servers
   load them happily); the learner's own check of every version reports each one."""
-  from jax_dora.config import base_config  # pylint: disable=g-import-not-at-top
-  from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
 
   real = SnapshotPublisher.publish
 
@@ -96,15 +112,7 @@ def test_a_run_publishing_other_params_than_the_learners_fails_its_audit(tmp_pat
     return real(self, version, params, metadata)
 
   monkeypatch.setattr(SnapshotPublisher, "publish", perturbed)
-  cfg = base_config()
-  cfg.mode = "sync"
-  cfg.output_dir = str(tmp_path / "run")
-  cfg.total_steps = 3
-  cfg.progress_bar = False
-  cfg.eval.num_prompts = 0
-  cfg.eval.at_start = False
-  cfg.snapshots.verify_every = 1
-  summary = run_training(cfg)
+  summary = _tiny_run(tmp_path / "run", "sync")
   bad = [v for v in summary["integrity_violations"] if v.startswith("snapshot version")]
   assert [v.split(":")[0] for v in bad] == ["snapshot version 2", "snapshot version 3"], \
       summary["integrity_violations"]
@@ -115,23 +123,9 @@ def test_a_run_publishing_other_params_than_the_learners_fails_its_audit(tmp_pat
 def test_a_stored_reward_that_is_not_the_reward_functions_is_a_violation(tmp_path, monkeypatch):
   """Rewards off by a constant for some trajectories (injected where the run records a
   finished trajectory) are found by re-scoring every trained one; a clean run reports none."""
-  from jax_dora.config import base_config  # pylint: disable=g-import-not-at-top
   from jax_dora.orchestrator.integrity import IntegrityLedger  # pylint: disable=g-import-not-at-top
-  from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
 
-  def run(name: str):
-    cfg = base_config()
-    cfg.mode = "dora_pace"
-    cfg.output_dir = str(tmp_path / name)
-    cfg.total_steps = 3
-    cfg.progress_bar = False
-    cfg.eval.num_prompts = 0
-    cfg.eval.at_start = False
-    cfg.audit.verify_fraction = 1.0
-    cfg.snapshots.verify_every = 1
-    return run_training(cfg)
-
-  clean = run("clean")
+  clean = _tiny_run(tmp_path / "clean", "dora_pace", verify_fraction=1.0)
   assert clean["integrity_violations"] == []
   assert clean["audit"]["rewards_rescored"] == 3 * 8 * 8 and clean["audit"]["snapshots_checked"] >= 2
 
@@ -143,7 +137,7 @@ def test_a_stored_reward_that_is_not_the_reward_functions_is_a_violation(tmp_pat
     return real(self, traj)
 
   monkeypatch.setattr(IntegrityLedger, "finished", wrong_reward)
-  summary = run("faulty")
+  summary = _tiny_run(tmp_path / "faulty", "dora_pace", verify_fraction=1.0)
   bad = summary["integrity_violations"]
   assert bad and all("the reward functions give" in v for v in bad), bad
   assert {int(v.split(",")[0].strip("(")) % 3 for v in bad} == {0}
