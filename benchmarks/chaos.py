@@ -73,6 +73,12 @@ class Server:
          *[f"--config.model.{k}={v}" for k, v in _MODEL.items()], *self.extra],
         cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
 
+  def log_tail(self, lines: int = 5) -> str:
+    """The last lines of this incarnation's log, to say why it died."""
+    path = self.logs / f"server{self.i}.{self.starts}.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return " | ".join(text.strip().splitlines()[-lines:])
+
   @property
   def address(self) -> str:
     return f"127.0.0.1:{self.port}"
@@ -205,6 +211,7 @@ def main() -> int:
   events: collections.Counter[str] = collections.Counter()
   t0 = time.time()
   restarts: list[tuple[float, Server]] = []
+  unplanned: list[str] = []
   schedule = [e for e in args.schedule.split(",") if e]
   scheduled = bool(schedule)
   if any(e not in ("kill", "stop", "learner") for e in schedule):
@@ -226,6 +233,13 @@ def main() -> int:
         if now >= when:
           s.start()
           restarts.remove((when, s))
+      for s in servers:  # a server that died without being killed is a failure to report
+        if not s.alive() and all(v is not s for _, v in restarts):
+          unplanned.append(f"server{s.i} start {s.starts} exited with {s.proc.returncode}:"
+                           f" {s.log_tail()}")
+          print(f"[{now - t0:6.1f}s] UNPLANNED EXIT of server{s.i} (code {s.proc.returncode});"
+                " restarting it", flush=True)
+          s.start()
       code = learner.proc.poll()
       if code is not None:
         if code != 0:
@@ -235,7 +249,8 @@ def main() -> int:
           # A fixed schedule is the point of the run: say so rather than audit a
           # run that missed some of its events (the learner outran them).
           print(f"the learner finished {learner.steps_logged()} steps before the schedule's"
-                f" last events {schedule} could be delivered (delivered {dict(events)});"
+                f" last events {schedule} could be delivered (delivered {dict(events)};"
+                f" servers alive {[s.alive() for s in servers]}, unplanned exits {unplanned});"
                 f" raise --steps; logs in {logs}", file=sys.stderr)
           return 3
         break
@@ -287,8 +302,10 @@ def main() -> int:
     print(f"    {v}")
   if report["lost_ids"]:
     print(f"  lost sample ids: {report['lost_ids']}")
+  for u in unplanned:
+    print(f"  unplanned exit: {u}")
   bad = report["lost"] or report["duplicated"] or report["staleness_violations"] or report[
-      "audit_violations"]
+      "audit_violations"] or unplanned
   print("RESULT", "FAIL" if bad else "OK", json.dumps({k: report[k] for k in (
       "samples_drawn", "trained", "pending", "lost", "duplicated", "staleness_violations")}))
   return 1 if bad else 0

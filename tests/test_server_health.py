@@ -408,3 +408,37 @@ def test_results_aborted_before_reaching_a_server_carry_the_run_incarnation():
   one staleness-sweep run)."""
   d = Dispatcher([object()], incarnation="run-abc")
   assert d._aborted("r-1", None).incarnation == "run-abc"  # pylint: disable=protected-access
+
+
+def test_a_restarted_server_comes_up_whatever_happens_to_the_newest_snapshot(
+    engine, params, tmp_path):
+  """Start-up loads the newest snapshot best-effort: one retired between listing and
+  loading (a fast learner with a small max_to_keep: this killed a restarted server in the
+  chaos run, leaving it one server short for its last event) is retried with the new
+  newest; an unreadable one leaves the server waiting for LoadVersion, not dead."""
+  from jax_dora.rollout.server_main import load_newest_at_start  # pylint: disable=g-import-not-at-top
+  from jax_dora.snapshots import SnapshotReader  # pylint: disable=g-import-not-at-top
+
+  with SnapshotPublisher(tmp_path, max_to_keep=2) as pub:
+    for v in (1, 2, 3):
+      pub.publish(v, params, {"learner_step": v})
+  reader = SnapshotReader(tmp_path)
+  listed = iter([1, 3])  # what a listing just before version 1's retirement returned, then now
+  reader.latest_version = lambda: next(listed)
+  driver = RolloutDriver(engine, str(tmp_path), max_versions=3, name="restarted")
+  try:
+    assert load_newest_at_start(driver, reader, "restarted") == 3
+    assert list(driver.status().versions_loaded) == [3]
+  finally:
+    driver.stop()
+
+  for f in (tmp_path / "3").rglob("*"):
+    if f.is_file() and "params" in str(f.relative_to(tmp_path / "3")):
+      f.write_bytes(b"not a tensorstore chunk")
+  driver = RolloutDriver(engine, str(tmp_path), max_versions=3, name="restarted")
+  try:
+    assert load_newest_at_start(driver, SnapshotReader(tmp_path), "restarted") is None
+    driver.load_version(2)  # the learner's LoadVersion still works
+    assert list(driver.status().versions_loaded) == [2]
+  finally:
+    driver.stop()

@@ -107,6 +107,45 @@ def build_driver(config, snapshot_dir: str, name: str):
   ), devices
 
 
+_START_LOAD_ATTEMPTS = 5
+
+
+def load_newest_at_start(driver, reader, name: str) -> int | None:
+  """Loads the newest published snapshot, if any; returns its version.
+
+  Best effort, because the learner pushes every version it wants served
+  through ``LoadVersion`` anyway: a server restarted mid-run must come up and
+  serve rather than die. A version retired between listing and loading (a
+  fast learner with a small ``max_to_keep`` publishes several a second) is
+  retried with the new newest one; any other failure (unreadable, wrong
+  checksums) is logged and the server waits for ``LoadVersion``.
+  """
+  from jax_dora.snapshots import SnapshotNotFoundError  # pylint: disable=g-import-not-at-top
+
+  for _ in range(_START_LOAD_ATTEMPTS):
+    try:
+      latest = reader.latest_version()
+    except Exception as e:  # pylint: disable=broad-except
+      _log.warning("%s: cannot list snapshots in %s: %s", name, reader.directory, e)
+      return None
+    if latest is None:
+      _log.info("%s: no snapshot yet; waiting for LoadVersion", name)
+      return None
+    try:
+      driver.load_version(latest)
+      return latest
+    except SnapshotNotFoundError as e:
+      _log.info("%s: snapshot %d retired while loading it (%s); trying the newest again", name,
+                latest, e)
+    except Exception as e:  # pylint: disable=broad-except
+      _log.warning("%s: cannot load snapshot %d at start-up (%s: %s); waiting for LoadVersion",
+                   name, latest, type(e).__name__, e)
+      return None
+  _log.warning("%s: snapshots kept being retired while loading (%d attempts); waiting for"
+               " LoadVersion", name, _START_LOAD_ATTEMPTS)
+  return None
+
+
 async def _serve(config, host: str, grace_s: float, name: str) -> None:
   from jax_dora.rollout import server as server_lib  # pylint: disable=g-import-not-at-top
   from jax_dora.snapshots import SnapshotReader  # pylint: disable=g-import-not-at-top
@@ -121,15 +160,7 @@ async def _serve(config, host: str, grace_s: float, name: str) -> None:
       config.rollout.slots,
       snapshot_dir,
   )
-  try:
-    latest = SnapshotReader(snapshot_dir).latest_version()
-  except Exception as e:  # pylint: disable=broad-except
-    _log.warning("%s: cannot list snapshots in %s: %s", name, snapshot_dir, e)
-    latest = None
-  if latest is not None:
-    await asyncio.to_thread(driver.load_version, latest)
-  else:
-    _log.info("%s: no snapshot yet; waiting for LoadVersion", name)
+  await asyncio.to_thread(load_newest_at_start, driver, SnapshotReader(snapshot_dir), name)
 
   server = server_lib.RolloutServer(
       driver, config.rollout.port, host=host, name=name
