@@ -51,10 +51,12 @@ from jax_dora.orchestrator.run_checkpoint import (
   prompt_to_json,
 )
 from jax_dora.orchestrator.runner import Orchestrator, PromptSupply, RunHooks
-from jax_dora.orchestrator.snapshot_audit import SnapshotAudit
+from jax_dora.audit.labels import LabelAudit
+from jax_dora.audit.sample import SAMPLE_FILE, AuditSample
+from jax_dora.audit.snapshots import SnapshotAudit
 from jax_dora.policy import PolicySpec, resolve_policy
 from jax_dora.rewards import RewardScorer
-from jax_dora.snapshots import SnapshotPublisher
+from jax_dora.snapshots import SnapshotPublisher, SnapshotReader
 from jax_dora.types import Prompt
 
 log = logging.getLogger("jax_dora")
@@ -261,6 +263,31 @@ def build_rollout_side(cfg: RunConfig, snapshot_dir: epath.Path,
                      build_tool_executor(cfg))
 
 
+def label_tolerance(cfg: RunConfig) -> float:
+  """``audit.label_tolerance``, or by precision (benchmarks/label_audit.py, tiny policy): a
+  right label's statistic is <= 3e-7 in float32 and <= 5e-3 in bfloat16; an adjacent
+  version's is >= 3.6e-3 in float32 and mostly (90%) >= 1e-2 in bfloat16."""
+  if cfg.audit.label_tolerance > 0:
+    return cfg.audit.label_tolerance
+  dtypes = {cfg.model.dtype, cfg.model.param_dtype, cfg.rollout.param_dtype or cfg.model.param_dtype}
+  return 1e-3 if dtypes == {"float32"} else 1e-2
+
+
+def build_label_audit(cfg: RunConfig, snapshot_dir: epath.Path, learner: Any, tokenizer: Any, *,
+                      enabled: bool = True) -> LabelAudit:
+  """The version-label check on ``learner``'s devices (``jax_dora.audit.labels``)."""
+  window = cfg.orchestrator.max_staleness + 2  # the oldest span's version, plus the newest
+  if enabled and cfg.audit.verify_fraction > 0 and 0 < cfg.snapshots.max_to_keep < window:
+    log.warning("snapshots.max_to_keep=%d keeps fewer versions than the audit's label check"
+                " may need (max_staleness + 2 = %d): spans of retired versions are counted as"
+                " unverifiable", cfg.snapshots.max_to_keep, window)
+  reader = SnapshotReader(snapshot_dir) if enabled and cfg.audit.verify_fraction > 0 else None
+  return LabelAudit(
+      reader, learner, tolerance=label_tolerance(cfg), seq_buckets=learner.seq_len_buckets,
+      pad_id=tokenizer.pad_id,
+      max_rows=cfg.learner.micro_batch_size or cfg.learner.batch_rows)
+
+
 def run_async(main: Callable[[], Any]) -> Any:
   """``asyncio.run(main())``, also from inside a running loop (Jupyter/Colab).
 
@@ -367,12 +394,18 @@ class Run:
     metrics = open_run_metrics(cfg, paths.metrics, resumed_step=resumed_step,
                                incarnation=self.incarnation)
     learner, checkpointer = self.learner, self.checkpointer
+    audit_sample = AuditSample(cfg.audit.verify_fraction, seed=cfg.seed,
+                               path=paths.output_dir / SAMPLE_FILE,
+                               resumed_from_step=resumed_step or 0)
+    label_audit = build_label_audit(cfg, paths.snapshots, learner, tokenizer,
+                                    enabled=not self.group.multi_process)
 
     def checkpoint(step: int, pending_prompts: list[Prompt], stream_state: dict[str, Any]) -> None:
       # On an object store the logs upload in batches: make them durable first,
       # so a resume from this checkpoint finds every step it carries over.
       ledger.flush()
       metrics.flush()
+      audit_sample.flush()
       checkpointer.save(step, learner.state, {
           "step": step,
           "stream": stream_state,
@@ -412,6 +445,8 @@ class Run:
             incarnation=self.incarnation,
             tool_executor=rollout.tools,
             snapshot_audit=SnapshotAudit(paths.snapshots, cfg.snapshots.verify_every),
+            audit_sample=audit_sample,
+            label_audit=label_audit,
         )
 
         async def main():

@@ -39,6 +39,17 @@ def format_summary(summary: dict[str, Any], records: list[dict[str, Any]],
   viol = summary.get("integrity_violations") or []
   verdict = ("OK: every sample trained once, rejected with a reason, or carried over"
              if not viol else f"FAILED: {len(viol)} violation(s), first: {viol[0]}")
+  audit = summary.get("audit") or {}
+  by_kind = audit.get("violations") or {}
+  if by_kind:
+    verdict += "\n                   by kind: " + ", ".join(f"{k} {n}" for k, n in by_kind.items())
+  checked = [f"{audit[k]} {what}" for k, what in (
+      ("labels_checked", "version labels recomputed"), ("rewards_rescored", "rewards re-scored"),
+      ("snapshots_checked", "snapshots against the learner")) if audit.get(k)]
+  if audit.get("labels_unverifiable"):
+    checked.append(f"{audit['labels_unverifiable']} labels unverifiable (version retired)")
+  if checked:
+    verdict += "\n                   checked: " + ", ".join(checked)
   rejected = summary.get("rejected_groups") or {}
   lines = [
       (f"== {summary.get('mode')}: {summary.get('steps')} steps in"

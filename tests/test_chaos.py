@@ -28,13 +28,15 @@ def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path):
       # inside the run however fast the learner is (with warm compilation
       # caches 24 steps took 14 s here, too fast for a 5 s clock).
       # 40 steps: at 30 a warm learner once finished before the last stop could
-      # be delivered (both servers busy being killed / stopped / restarted).
+      # be delivered (both servers busy being killed / stopped / restarted). Every
+      # trained trajectory's version labels and reward are re-derived as well.
       [sys.executable, "benchmarks/chaos.py", "--steps", "40", "--interval", "1",
        "--interval-steps", "3", "--stop-seconds", "3", "--restart-after", "2",
        "--schedule", "kill,stop,learner,stop",
        f"--out={tmp_path}", "--timeout", "500",
        "--learner-arg=--config.rollout.health_interval_s=0.5",
-       "--learner-arg=--config.rollout.unhealthy_after_s=2"],
+       "--learner-arg=--config.rollout.unhealthy_after_s=2",
+       "--learner-arg=--config.audit.verify_fraction=1.0"],
       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
       timeout=560)
   out = proc.stdout + proc.stderr[-3000:]

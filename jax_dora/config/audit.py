@@ -14,10 +14,20 @@ class AuditConfig(ConfigBlock):
   BLOCK = "audit"
 
   verify_fraction: float = field(
-      0.02, "Share of trained trajectories re-verified: their rewards re-scored from the stored"
-      " prompt and completion through the reward functions (a different value is an integrity"
-      " violation). 1.0 in tests; 0 = off.")
+      0.02, "Share of trained trajectories re-verified (and written to"
+      " <output_dir>/audit_sample.jsonl for `python -m jax_dora.audit`): their rewards re-scored"
+      " from the stored prompt and completion, and each span's behaviour log-probs recomputed"
+      " on the learner under the snapshot of the version it claims. A difference is an"
+      " integrity violation. 1.0 in tests; 0 = off.")
+  label_tolerance: float = field(
+      0.0, "Largest mean |stored - recomputed| behaviour log-prob over a span's tokens that"
+      " still passes as that version's. 0 = by precision: 1e-3 when learner and servers run"
+      " float32 throughout, 1e-2 with bfloat16 activations or server parameters (measured on"
+      " the tiny policy by benchmarks/label_audit.py; measure your own model with"
+      " `python -m jax_dora.audit RUN_DIR --separation`).")
 
   def __post_init__(self):
     if not 0.0 <= self.verify_fraction <= 1.0:
       self.fail("verify_fraction", "must be in [0, 1]")
+    if self.label_tolerance < 0:
+      self.fail("label_tolerance", "must be > 0, or 0 for the precision's default")

@@ -551,6 +551,26 @@ class Learner:
     jax.block_until_ready(out)
     return out
 
+  @property
+  def batch_devices(self) -> int:
+    """Devices a batch's rows are sharded over: row counts must be multiples of it."""
+    return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+  def params_target(self) -> Any:
+    """The params' shapes, dtypes and learner shardings: a restore target for a snapshot."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params)
+
+  def logprobs_under(self, params: Any, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """Log-probs of ``batch``'s masked targets under ``params`` (0 elsewhere), on the host.
+
+    The training forward (whole sequences, no KV cache) on the learner's
+    shardings, with any other parameters than the live ones: what the audit
+    recomputes a span's behaviour log-probs with, under the snapshot of the
+    version the span claims (issue 28).
+    """
+    return np.asarray(jax.device_get(self._logprobs_fn(params, self.put_batch(batch))))
+
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Places a host batch on the learner mesh (batch dim over data x fsdp x expert)."""
     return jax.device_put(batch, self.batch_sharding)

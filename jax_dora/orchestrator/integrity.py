@@ -148,6 +148,8 @@ class IntegrityLedger:
         keep.append(r)
       elif r["event"] == "rejected" and not r["regenerate"] and int(r["step"]) < step:
         keep.append(r)
+      elif r["event"] in ("audit_failure", "snapshot_mismatch") and int(r["step"]) <= step:
+        keep.append(r)  # what was trained before the checkpoint was found wrong: still is
     return keep
 
   def _reset_state(self) -> None:
@@ -161,6 +163,8 @@ class IntegrityLedger:
     self._counts: collections.Counter[str] = collections.Counter()
     self._step = 0
     self._incarnation = ""
+    self._audit_failures: collections.Counter[str] = collections.Counter()
+    self._audit_messages: list[str] = []
 
   @classmethod
   def from_log(
@@ -229,11 +233,20 @@ class IntegrityLedger:
       self._incarnation = r.get("incarnation") or ""
       return
     if ev == "snapshot_mismatch":
-      # A published version whose parameters are not the learner's at that version.
-      if not carried:
-        self._event_violations.append(
-            f"snapshot version {r['version']}: {r['problem']} (the learner's own parameters at"
-            " that version differ from the published record)")
+      # A published version whose parameters are not the learner's at that version
+      # (carried too: data trained before a resume was still trained on it).
+      self._audit_failures["snapshots"] += 1
+      message = (f"snapshot version {r['version']}: {r['problem']} (the learner's own parameters"
+                 " at that version differ from the published record)")
+      self._event_violations.append(message)
+      self._audit_messages.append(message)
+      return
+    if ev == "audit_failure":
+      # The data itself re-derived and found different (jax_dora.audit): a wrong
+      # version label, a wrong reward, a snapshot that is not what was published.
+      self._audit_failures[r["kind"]] += 1
+      self._event_violations.append(r["message"])
+      self._audit_messages.append(r["message"])
       return
     sid = int(r["sample_id"])
     if carried:
@@ -295,6 +308,26 @@ class IntegrityLedger:
       self._trained.append(dict(r, carried=False))
     else:
       raise ValueError(f"unknown ledger event {ev!r}")
+
+  def audit_failure(self, kind: str, message: str) -> None:
+    """The audit re-derived some data (``kind``: version_labels, rewards, snapshots) and
+    found it differs from what was trained; ``message`` names what and by how much."""
+    self._emit({"event": "audit_failure", "kind": str(kind), "message": str(message)})
+
+  def verdict(self, final: bool = True) -> dict[str, int]:
+    """Violations by kind: ``bookkeeping`` (the ledger's own invariants) and each kind
+    of re-derived data (``snapshots``, ``version_labels``, ``rewards``)."""
+    with self._lock:
+      derived = dict(self._audit_failures)
+      total = len(self.check(final))
+    return {"bookkeeping": total - sum(derived.values()), "snapshots": 0, "version_labels": 0,
+            "rewards": 0, **derived}
+
+  def bookkeeping_violations(self, final: bool = True) -> list[str]:
+    """:meth:`check` without the audit's findings on re-derived data."""
+    with self._lock:
+      derived = set(self._audit_messages)
+      return [m for m in self.check(final) if m not in derived]
 
   def snapshot_mismatch(self, version: int, problem: str) -> None:
     """The snapshot published as ``version`` is not the learner's parameters at it."""

@@ -36,8 +36,10 @@ from jax_dora.orchestrator import dynamic_sampling
 from jax_dora.rewards.overlong import overlong_penalty
 from jax_dora.orchestrator import staleness as staleness_lib
 from jax_dora.orchestrator.dispatch import Dispatcher, to_trajectory
-from jax_dora.orchestrator.reward_audit import RewardAudit
-from jax_dora.orchestrator.snapshot_audit import SnapshotAudit
+from jax_dora.audit.labels import LabelAudit
+from jax_dora.audit.rewards import RewardAudit
+from jax_dora.audit.sample import AuditSample
+from jax_dora.audit.snapshots import SnapshotAudit
 from jax_dora.orchestrator.evaluation import Evaluator, length_budget
 from jax_dora.orchestrator.integrity import IntegrityLedger
 from jax_dora.orchestrator.modes import Mode, mode_class
@@ -101,6 +103,8 @@ class Orchestrator:
       incarnation: str = "",
       tool_executor: Any = None,
       snapshot_audit: SnapshotAudit | None = None,
+      audit_sample: AuditSample | None = None,
+      label_audit: LabelAudit | None = None,
   ):
     cfg = RunConfig.of(cfg)  # typed from here on (a ConfigDict is validated block by block)
     self.cfg = cfg
@@ -119,9 +123,15 @@ class Orchestrator:
     # (jax_dora.tools.ToolExecutor); None = single-turn.
     self.tool_executor = tool_executor
     # Published versions checked against the learner's own parameters
-    # (orchestrator.snapshot_audit); None = not checked.
+    # (jax_dora.audit.snapshots); None = not checked.
     self.snapshot_audit = snapshot_audit
-    self.reward_audit = RewardAudit(cfg.audit.verify_fraction, seed=cfg.seed)
+    # The audit's sample (audit.verify_fraction of the trained trajectories): rewards
+    # re-scored at the end, version labels recomputed between steps (jax_dora.audit).
+    self.audit_sample = audit_sample or AuditSample(cfg.audit.verify_fraction, seed=cfg.seed)
+    self.reward_audit = RewardAudit()
+    # None: labels not recomputed (run_training builds one on the learner's devices).
+    self.label_audit = label_audit
+    self._audit_s = 0.0  # learner time the last step spent checking labels
     self.tool_audit: dict[str, int] = {}
     # What the end-of-run audit re-verified, by kind (summary["audit"]).
     self.audit_counts: dict[str, int] = {}
@@ -414,7 +424,10 @@ class Orchestrator:
     train_s = time.time() - t0
     step = self.learner.step
     self.ledger.trained(trajs, learner_version=self.version, step=step)
-    self.reward_audit.keep(trajs)
+    picked = self.audit_sample.pick(trajs, step=step, learner_version=self.version)
+    self.reward_audit.keep(picked)
+    if self.label_audit is not None:
+      self.label_audit.keep(picked)
     for g in groups:
       self._outstanding.pop(g[0].sample_id, None)
     self._trained_tokens += int(sum(t.num_sampled_tokens for t in trajs))
@@ -436,7 +449,23 @@ class Orchestrator:
       )
       await self._check_published(new_version)
       self.version = new_version
-    return self._step_record(step, trajs, train_metrics, wait_s, train_s, time.time() - t0)
+    publish_s = time.time() - t0
+    await self._verify_labels()
+    return self._step_record(step, trajs, train_metrics, wait_s, train_s, publish_s)
+
+  async def _verify_labels(self, *, drain: bool = False) -> None:
+    """The label audit's share of the learner's time: one claimed version per step
+    (every pending one at the end of the run); what it finds goes to the ledger."""
+    self._audit_s = 0.0
+    audit = self.label_audit
+    if audit is None or not audit.active or not audit.pending_versions:
+      return
+    t0 = time.time()
+    found = await asyncio.to_thread(audit.verify_all if drain else audit.verify_next)
+    self._audit_s = time.time() - t0
+    for kind, message in found:
+      log.error("audit: %s", message)
+      self.ledger.audit_failure(kind, message)
 
   # -------------------------------------------------------------- publishing
   async def _remember_params(self, version: int) -> None:
@@ -472,7 +501,7 @@ class Orchestrator:
     eff = [staleness_lib.effective_staleness(t, v) for t in trajs]
     beh = [staleness_lib.behaviour_staleness(t, v) for t in trajs]
     elapsed = time.time() - self._t0
-    step_total = wait_s + train_s + publish_s
+    step_total = wait_s + train_s + publish_s + self._audit_s
     rec = {
         "step": step,
         "version": self.version,
@@ -491,6 +520,8 @@ class Orchestrator:
         "published_version": self.published_version,
         "publish_background_s": self._background.last_write_s,
         "publish_skipped_total": self._background.skipped,
+        # Learner time spent recomputing the audit sample's version labels.
+        "audit_s": self._audit_s,
         "step_time_s": step_total,
         # Learner idle share of the step. In sync mode this is exactly the
         # rollout share of step time (the learner waits for the whole batch).
@@ -651,13 +682,10 @@ class Orchestrator:
         "final_eval": dict(self.evaluator.last_metrics) if final_eval is not None else {},
         "wasted_rollout_tokens": self._wasted_tokens,
         "generated_tokens": self._generated_tokens,
-        "integrity_violations": (self.ledger.check() + await self._recheck_tools()
-                                 + await self._rescore_rewards()),
+        "integrity_violations": await self._final_audit(),
         # Groups that left without training, by reason (stale, pace_*, zero_variance).
         "rejected_groups": {dynamic_sampling.REASON: 0, "stale": 0, **self.ledger.reasons()},
     }
-    if self.snapshot_audit is not None:
-      self.audit_counts["snapshots_checked"] = self.snapshot_audit.checked
     summary["audit"] = dict(self.audit_counts)
     if self.tool_loop is not None:
       summary["tool_audit"] = self.tool_audit
@@ -666,11 +694,25 @@ class Orchestrator:
       await self._checkpoint(self.learner.step)
     return summary
 
-  async def _rescore_rewards(self) -> list[str]:
-    """The audit's reward check (``audit.verify_fraction`` of the trained trajectories)."""
-    violations, count = await self.reward_audit.check(self.scorer, self.tokenizer)
-    self.audit_counts["rewards_rescored"] = count
-    return violations
+  async def _final_audit(self) -> list[str]:
+    """Every violation of the run: the ledger's bookkeeping, the data re-derived (the
+    sample's remaining version labels, its rewards re-scored, the snapshots checked)
+    and the tool calls re-run; ``audit_counts`` gets the verdict by kind."""
+    await self._verify_labels(drain=True)
+    violations, rescored = await self.reward_audit.check(self.scorer, self.tokenizer)
+    for message in violations:
+      self.ledger.audit_failure("rewards", message)
+    tools = await self._recheck_tools()
+    self.audit_sample.close()
+    counts = {"rewards_rescored": rescored}
+    if self.snapshot_audit is not None:
+      counts["snapshots_checked"] = self.snapshot_audit.checked
+    if self.label_audit is not None and self.label_audit.active:
+      counts.update(labels_checked=self.label_audit.checked,
+                    labels_unverifiable=self.label_audit.unverifiable,
+                    label_max_mean_abs_diff=self.label_audit.largest)
+    self.audit_counts.update(counts, violations={**self.ledger.verdict(), "tool_calls": len(tools)})
+    return self.ledger.check() + tools
 
   async def _recheck_tools(self) -> list[str]:
     """The audit's tool check: re-run a sample of the trained tool calls (multi-turn runs)."""

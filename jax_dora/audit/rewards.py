@@ -5,9 +5,9 @@ checked that it is what the reward functions give for that completion. A
 reward attached to the wrong trajectory, a group's rewards shuffled, a
 verifier result cached under the wrong key: each trains on wrong advantages
 with every metric looking plausible. So ``audit.verify_fraction`` of the
-trained trajectories are kept (prompt, completion ids, the verifier's part
-of the stored reward: the stored reward minus its shaping term) and, at the
-end of the run, scored again through the same reward functions (in their
+trained trajectories (the audit sample) are kept (prompt, completion ids, the
+verifier's part of the stored reward: the stored reward minus its shaping
+term) and, at the end of the run, scored again through the same reward functions (in their
 worker pool, under their timeout); a different value is an integrity
 violation naming the sample. Verifiers are deterministic functions of
 (prompt, completion), so the comparison is exact up to float rounding.
@@ -15,9 +15,10 @@ violation naming the sample. Verifiers are deterministic functions of
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from jax_dora.types import Trajectory
 
@@ -26,21 +27,16 @@ _TOLERANCE = 1e-6
 
 
 class RewardAudit:
-  """Keeps a random share of trained trajectories and re-scores them on demand."""
+  """Keeps the audit sample's trajectories (``jax_dora.audit.sample``) and re-scores them."""
 
-  def __init__(self, fraction: float, seed: int = 0):
-    self.fraction = float(fraction)
-    self._rng = random.Random(seed)
+  def __init__(self):
     self._kept: list[tuple[tuple[int, int], Any, list[int], float]] = []
 
   def keep(self, trajs: Iterable[Trajectory]) -> None:
-    """Called with each trained batch: keeps each trajectory with probability ``fraction``."""
-    if self.fraction <= 0:
-      return
+    """Called with the audit sample's share of each trained batch."""
     for t in trajs:
-      if self.fraction >= 1 or self._rng.random() < self.fraction:
-        self._kept.append((t.key, t.prompt, t.completion_tokens.tolist(),
-                           float(t.reward) - float(t.reward_shaping)))
+      self._kept.append((t.key, t.prompt, np.asarray(t.completion_tokens).tolist(),
+                         float(t.reward) - float(t.reward_shaping)))
 
   async def check(self, scorer: Any, tokenizer: Any) -> tuple[list[str], int]:
     """``(violations, trajectories re-scored)``."""

@@ -1,0 +1,190 @@
+"""The audit's version-label check: behaviour log-probs recomputed under the claimed version.
+
+Every sampled token carries the policy version that generated it (the
+trajectory's spans). The learner trusts the label: the staleness bound, the
+importance ratios and the decoupled loss's proximal policy all depend on it.
+A wrong label (a span attributed to the next version, a resumed rollout
+whose prefix kept the new version's number, a server that loaded one
+version and reported another) trains on wrong ratios while the ledger, which
+only sees the labels, stays clean. The label is checked the only way that
+does not trust it: recompute the span's log-probs under the snapshot of the
+version it claims and compare them with the log-probs the server stored.
+
+Where it runs: on the learner's devices, between steps, through the
+training forward (``Learner.logprobs_under``: whole sequences, no KV cache,
+the same jitted program the decoupled loss uses for its proximal policy).
+Each call restores *one* claimed version from its snapshot onto the
+learner's shardings (one extra copy of the parameters for the duration: no
+optimizer state) and checks every pending span of that version at once;
+versions are taken oldest first, so the one nearest retirement goes first
+and the backlog never grows past the staleness window (one version is
+published per step, one is checked per step). A version already retired
+(``snapshots.max_to_keep`` below the staleness window) cannot be checked:
+its spans are counted as unverifiable, never silently passed. The last
+versions are drained at the end of the run.
+
+The statistic per (trajectory, claimed version) is the mean absolute
+difference of the stored and recomputed log-probs over the span's sampled
+tokens; above ``audit.label_tolerance`` it is a violation naming the sample,
+the span, the claimed version and the difference. What separates a right
+label from a wrong one is measured by ``benchmarks/label_audit.py`` (the
+statistic under the claimed version and under the adjacent ones, float32 and
+bfloat16 servers): see ``docs/DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_dora.learner.batching import bucket_length, make_batch
+from jax_dora.snapshots import (SnapshotCorruptError, SnapshotIntegrityError,
+                                SnapshotNotFoundError, SnapshotReader)
+from jax_dora.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+VERSION_LABELS = "version_labels"
+SNAPSHOTS = "snapshots"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanCheck:
+  """One trajectory's tokens labelled ``version``, recomputed under that version."""
+
+  key: tuple[int, int]
+  version: int
+  spans: tuple[tuple[int, int], ...]  # [start, end) completion ranges labelled ``version``
+  tokens: int
+  mean_abs: float
+  max_abs: float
+
+
+def recompute(learner: Any, params: Any, trajs: Sequence[Trajectory], version: int, *,
+              seq_buckets: Sequence[int], pad_id: int, max_rows: int) -> list[SpanCheck]:
+  """The log-probs of every token of ``trajs`` labelled ``version``, under ``params``,
+  against the stored ones (one :class:`SpanCheck` per trajectory).
+
+  Rows go in chunks of a power-of-two multiple of the learner's batch devices
+  (at most ``max_rows``), so a run compiles a handful of programs, not one per
+  sample size.
+  """
+  unit = int(learner.batch_devices)
+  cap = max(unit, (int(max_rows) // unit) * unit)
+  out = []
+  for lo in range(0, len(trajs), cap):
+    chunk = list(trajs[lo:lo + cap])
+    rows = unit
+    while rows < len(chunk):
+      rows *= 2
+    rows = min(rows, cap)
+    seq_len = bucket_length(chunk, seq_buckets)
+    # learner_version 0: token_staleness is minus each token's version label.
+    batch = make_batch(chunk, np.zeros(len(chunk), np.float32), seq_len, pad_id,
+                       learner_version=0, routing=learner.routing)
+    batch = _pad_rows(batch, rows)
+    logp = learner.logprobs_under(params, batch)[:len(chunk)]
+    labelled = (batch["mask"][:len(chunk)] > 0) & (-batch["token_staleness"][:len(chunk)] == version)
+    diff = np.abs(logp - batch["behaviour_logprobs"][:len(chunk)])
+    for i, t in enumerate(chunk):
+      d = diff[i][labelled[i]]
+      if d.size:
+        out.append(SpanCheck(t.key, int(version),
+                             tuple((s.start, s.end) for s in t.spans if s.version == version),
+                             int(d.size), float(d.mean()), float(d.max())))
+  return out
+
+
+def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+  """``batch`` with rows of nothing (mask 0, no recorded route) up to ``rows``."""
+  n = len(batch["mask"])
+  if n == rows:
+    return batch
+  out = {}
+  for k, v in batch.items():
+    pad = np.zeros((rows - n,) + v.shape[1:], v.dtype)
+    if k == "routing":
+      pad[...] = np.iinfo(v.dtype).max
+    out[k] = np.concatenate([v, pad])
+  return out
+
+
+class LabelAudit:
+  """Keeps the audit sample's trajectories and checks their labels, one version per call."""
+
+  def __init__(self, reader: SnapshotReader | None, learner: Any, *, tolerance: float,
+               seq_buckets: Sequence[int], pad_id: int, max_rows: int):
+    """``learner``: a ``jax_dora.learner.Learner`` (``logprobs_under``, ``params_target``);
+    ``reader=None``: nothing is checked (a multi-process learner, where a program over the
+    global parameters would need every learner process to join it)."""
+    self.reader = reader
+    self.learner = learner
+    self.tolerance = float(tolerance)
+    self.seq_buckets = tuple(seq_buckets)
+    self.pad_id = int(pad_id)
+    self.max_rows = int(max_rows)
+    # (incarnation, version) -> trajectories with tokens labelled so, not checked yet.
+    self._pending: dict[tuple[str, int], list[Trajectory]] = collections.defaultdict(list)
+    self.checked = 0  # (trajectory, version) pairs recomputed
+    self.unverifiable = 0  # pairs whose version was gone or unreadable
+    self.largest = 0.0  # largest mean |stored - recomputed| over checked pairs
+    self.checks: list[SpanCheck] = []  # every result, for reports (benchmarks, offline audit)
+
+  @property
+  def active(self) -> bool:
+    return self.reader is not None
+
+  def keep(self, trajs: Iterable[Trajectory]) -> None:
+    if not self.active:
+      return
+    for t in trajs:
+      for v in sorted({s.version for s in t.spans}):
+        self._pending[(t.incarnation, v)].append(t)
+
+  @property
+  def pending_versions(self) -> list[tuple[str, int]]:
+    return sorted(self._pending, key=lambda iv: iv[1])
+
+  def verify_next(self) -> list[tuple[str, str]]:
+    """Checks the oldest pending version; ``(kind, message)`` per violation."""
+    if not self._pending:
+      return []
+    incarnation, version = self.pending_versions[0]
+    trajs = self._pending.pop((incarnation, version))
+    try:
+      params, _ = self.reader.load(version, target=self.learner.params_target(),
+                                   incarnation=incarnation or None)
+    except SnapshotNotFoundError as e:
+      self.unverifiable += len(trajs)
+      log.warning("audit: %d trajectories' tokens labelled version %d cannot be checked: %s",
+                  len(trajs), version, e)
+      return []
+    except (SnapshotIntegrityError, SnapshotCorruptError) as e:
+      self.unverifiable += len(trajs)
+      return [(SNAPSHOTS, f"snapshot version {version}: {e}")]
+    checks = recompute(self.learner, params, trajs, version, seq_buckets=self.seq_buckets,
+                       pad_id=self.pad_id, max_rows=self.max_rows)
+    del params
+    self.checked += len(checks)
+    self.checks.extend(checks)
+    out = []
+    for c in checks:
+      self.largest = max(self.largest, c.mean_abs)
+      if c.mean_abs > self.tolerance:
+        out.append((VERSION_LABELS,
+                    f"{c.key}: tokens {list(c.spans)} labelled version {c.version}: their stored"
+                    f" log-probs differ from version {c.version}'s by {c.mean_abs:.3g} on average"
+                    f" (max {c.max_abs:.3g}, {c.tokens} tokens; tolerance {self.tolerance:g})"))
+    return out
+
+  def verify_all(self) -> list[tuple[str, str]]:
+    """Drains every pending version (the end of a run, the offline audit)."""
+    out = []
+    while self._pending:
+      out += self.verify_next()
+    return out
