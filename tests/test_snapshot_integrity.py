@@ -82,21 +82,26 @@ def test_a_snapshot_changed_after_its_checksum_is_refused(tmp_path, monkeypatch,
   SnapshotReader(tmp_path, verify_checksums=False).load(1, target=target)  # the opt-out
 
 
-def _tiny_run(out, mode: str, verify_fraction: float | None = None) -> dict:
-  """A 3-step run of the tiny model that checks every published version."""
+def _tiny_run(out, mode: str, verify_fraction: float | None = None, steps: int = 3,
+              **overrides) -> dict:
+  """A ``steps``-step run of the tiny model that checks every published version;
+  ``overrides``: ``block__name=value``."""
   from jax_dora.config import base_config  # pylint: disable=g-import-not-at-top
   from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
 
   cfg = base_config()
   cfg.mode = mode
   cfg.output_dir = str(out)
-  cfg.total_steps = 3
+  cfg.total_steps = steps
   cfg.progress_bar = False
   cfg.eval.num_prompts = 0
   cfg.eval.at_start = False
   cfg.snapshots.verify_every = 1
   if verify_fraction is not None:
     cfg.audit.verify_fraction = verify_fraction
+  for key, value in overrides.items():
+    block, name = key.split("__")
+    cfg[block][name] = value
   return run_training(cfg)
 
 
@@ -141,3 +146,71 @@ def test_a_stored_reward_that_is_not_the_reward_functions_is_a_violation(tmp_pat
   bad = summary["integrity_violations"]
   assert bad and all("the reward functions give" in v for v in bad), bad
   assert {int(v.split(",")[0].strip("(")) % 3 for v in bad} == {0}
+  assert summary["audit"]["violations"]["rewards"] == len(bad)
+
+  # The same verdicts from the run directories alone; then a snapshot file corrupted
+  # on disk after the run is found by the offline check too.
+  assert _offline(tmp_path / "clean")["violations"] == {
+      "bookkeeping": 0, "snapshots": 0, "version_labels": 0, "rewards": 0}
+  assert _offline(tmp_path / "faulty")["violations"]["rewards"] == len(bad)
+  chunk = next(f for f in sorted((tmp_path / "clean" / "snapshots" / "2").rglob("*"))
+               if f.is_file() and "params" in str(f) and f.stat().st_size > 64)
+  chunk.write_bytes(chunk.read_bytes()[:-8] + bytes(8))
+  assert _offline(tmp_path / "clean")["violations"]["snapshots"] >= 1
+
+
+def _offline(run_dir) -> dict:
+  """``python -m jax_dora.audit RUN_DIR --json``'s report."""
+  import json  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  proc = subprocess.run([sys.executable, "-m", "jax_dora.audit", str(run_dir), "--json"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode in (0, 3), proc.stderr[-3000:]
+  report = json.loads(proc.stdout)
+  assert (proc.returncode == 3) == any(report["violations"].values())
+  return report
+
+
+def test_a_wrong_version_label_is_found_online_and_offline(tmp_path, monkeypatch):
+  """Spans relabelled one version older where the run records a finished trajectory (a
+  server that loaded one version and reported another): every relabelled trajectory that
+  trained is a version-label violation naming it, during the run and again from the run
+  directory alone (``python -m jax_dora.audit``); nothing else is. The staleness bound is
+  wide enough that the older label breaks no bookkeeping rule: only recomputing the
+  log-probs can tell."""
+  from jax_dora.orchestrator.integrity import IntegrityLedger  # pylint: disable=g-import-not-at-top
+  from jax_dora.types import TokenSpan  # pylint: disable=g-import-not-at-top
+
+  real = IntegrityLedger.finished
+  relabelled = set()
+
+  def older_label(self, traj):
+    if traj.sample_id % 2 == 0 and min(s.version for s in traj.spans) >= 1:
+      traj.spans = [TokenSpan(s.start, s.end, s.version - 1) for s in traj.spans]
+      relabelled.add(traj.key)
+    return real(self, traj)
+
+  monkeypatch.setattr(IntegrityLedger, "finished", older_label)
+  out = tmp_path / "run"
+  summary = _tiny_run(out, "dora", verify_fraction=1.0, steps=5,
+                      orchestrator__max_staleness=8, snapshots__max_to_keep=0)
+  trained = {(r["sample_id"], r["member"]) for r in IntegrityLedger.from_log(
+      out / "trained_samples.jsonl", group_size=8, max_staleness=8).trained_records()}
+  wrong = relabelled & trained
+  assert wrong, "no relabelled trajectory was trained: the run is too short to test anything"
+  audit = summary["audit"]
+  assert audit["violations"] == {"bookkeeping": 0, "snapshots": 0, "version_labels": len(wrong),
+                                 "rewards": 0, "tool_calls": 0}, summary["integrity_violations"]
+  assert audit["labels_unverifiable"] == 0
+  named = {tuple(int(x) for x in v[1:v.index(")")].split(","))
+           for v in summary["integrity_violations"]}
+  assert named == wrong
+  assert all("labelled version" in v for v in summary["integrity_violations"])
+
+  report = _offline(out)
+  assert report["violations"] == {"bookkeeping": 0, "snapshots": 0,
+                                  "version_labels": len(wrong), "rewards": 0}
+  assert report["checked"]["labels_checked"] == audit["labels_checked"] > len(wrong)
+  assert report["recorded_during_run"]["version_labels"] == len(wrong)
