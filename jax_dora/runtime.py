@@ -51,7 +51,7 @@ from jax_dora.orchestrator.run_checkpoint import (
   prompt_to_json,
 )
 from jax_dora.orchestrator.runner import Orchestrator, PromptSupply, RunHooks
-from jax_dora.audit.labels import LabelAudit
+from jax_dora.audit.labels import LabelAudit, chunk_rows
 from jax_dora.audit.sample import SAMPLE_FILE, AuditSample
 from jax_dora.audit.snapshots import SnapshotAudit
 from jax_dora.policy import PolicySpec, resolve_policy
@@ -284,8 +284,12 @@ def build_label_audit(cfg: RunConfig, snapshot_dir: epath.Path, learner: Any, to
   reader = SnapshotReader(snapshot_dir) if enabled and cfg.audit.verify_fraction > 0 else None
   return LabelAudit(
       reader, learner, tolerance=label_tolerance(cfg), seq_buckets=learner.seq_len_buckets,
-      pad_id=tokenizer.pad_id,
-      max_rows=cfg.learner.micro_batch_size or cfg.learner.batch_rows)
+      pad_id=tokenizer.pad_id, max_rows=label_max_rows(cfg))
+
+
+def label_max_rows(cfg: RunConfig) -> int:
+  """The most rows the label check puts in one forward: a training micro-batch's."""
+  return cfg.learner.micro_batch_size or cfg.learner.batch_rows
 
 
 def run_async(main: Callable[[], Any]) -> Any:
@@ -557,6 +561,9 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
                      " starts (config.precompile) ...")
     t0 = time.time()
     learner.warmup(batch_rows, parse_buckets(cfg.learner.seq_len_buckets, cfg.model.max_seq_len))
+    if cfg.audit.verify_fraction > 0 and not group.multi_process:  # the audit's label check
+      learner.compile_logprobs(chunk_rows(learner.batch_devices, label_max_rows(cfg)),
+                               learner.seq_len_buckets)
     log.info("compiled the train step for every length bucket in %.1fs", time.time() - t0)
   meta: dict[str, Any] = {}
   if resumed_step is not None:

@@ -48,6 +48,8 @@ def format_summary(summary: dict[str, Any], records: list[dict[str, Any]],
       ("snapshots_checked", "snapshots against the learner")) if audit.get(k)]
   if audit.get("labels_unverifiable"):
     checked.append(f"{audit['labels_unverifiable']} labels unverifiable (version retired)")
+  if audit.get("labels_skipped"):
+    checked.append(f"{audit['labels_skipped']} labels skipped (audit.label_time_share)")
   if checked:
     verdict += "\n                   checked: " + ", ".join(checked)
   rejected = summary.get("rejected_groups") or {}

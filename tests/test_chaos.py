@@ -36,7 +36,8 @@ def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path):
        f"--out={tmp_path}", "--timeout", "500",
        "--learner-arg=--config.rollout.health_interval_s=0.5",
        "--learner-arg=--config.rollout.unhealthy_after_s=2",
-       "--learner-arg=--config.audit.verify_fraction=1.0"],
+       "--learner-arg=--config.audit.verify_fraction=1.0",
+       "--learner-arg=--config.audit.label_time_share=1.0"],
       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
       timeout=560)
   out = proc.stdout + proc.stderr[-3000:]

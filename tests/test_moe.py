@@ -154,8 +154,11 @@ def test_a_tiny_moe_policy_trains_with_a_clean_audit(tmp_path: pathlib.Path, mod
   cfg.model.mlp_only_layers = "1"
   cfg.learner.moe_aux_loss_coef = 0.01
   cfg.learner.moe_z_loss_coef = 0.001
+  cfg.audit.verify_fraction = 1.0  # labels recomputed with the recorded routes (replay) or not
+  cfg.audit.label_time_share = 1.0
   summary = run_training(cfg)
   assert summary["steps"] == 3 and summary["integrity_violations"] == []
+  assert summary["audit"]["labels_checked"] > 0
   import json  # pylint: disable=g-import-not-at-top
   recs = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
   last = recs[-1]

@@ -37,6 +37,10 @@ def _config(tmp_path, mode):
   cfg.learner.groups_per_step = 4
   cfg.learner.group_size = 4
   cfg.rollout.slots = 8
+  # Every trained trajectory's labels recomputed (tool observations are context: only the
+  # sampled turns are compared) and its reward re-scored.
+  cfg.audit.verify_fraction = 1.0
+  cfg.audit.label_time_share = 1.0
   return cfg
 
 
@@ -44,6 +48,7 @@ def test_dora_pace_with_a_calculator_passes_the_audit(tmp_path):
   cfg = _config(tmp_path, "dora_pace")
   summary = run_training(cfg)
   assert summary["steps"] == 3 and summary["integrity_violations"] == []
+  assert summary["audit"]["labels_checked"] > 0 and summary["audit"]["rewards_rescored"] == 48
   ledger = IntegrityLedger.from_log(pathlib.Path(cfg.output_dir) / "trained_samples.jsonl",
                                     group_size=4, max_staleness=cfg.orchestrator.max_staleness)
   assert ledger.check() == []

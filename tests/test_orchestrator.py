@@ -39,6 +39,7 @@ def small_config(tmp_path, mode, **overrides):
   cfg.learner.group_size = 4
   cfg.rollout.slots = 8
   cfg.audit.verify_fraction = 1.0  # every trained trajectory's labels and reward re-derived
+  cfg.audit.label_time_share = 1.0
   for k, v in overrides.items():
     node = cfg
     *path, last = k.split(".")
@@ -81,6 +82,7 @@ def test_every_mode_keeps_the_constraints(tmp_path, mode):
   # A clean run's re-derived data: every label and reward checked, none wrong.
   labelled = sum(len({s[2] for s in r["spans"]}) for r in trained)
   assert summary["audit"]["labels_checked"] + summary["audit"]["labels_unverifiable"] == labelled
+  assert summary["audit"]["labels_skipped"] == 0
   assert summary["audit"]["rewards_rescored"] == len(trained)
   keys = [(r["sample_id"], r["member"]) for r in trained]
   assert len(set(keys)) == len(keys)

@@ -99,6 +99,7 @@ def _tiny_run(out, mode: str, verify_fraction: float | None = None, steps: int =
   cfg.snapshots.verify_every = 1
   if verify_fraction is not None:
     cfg.audit.verify_fraction = verify_fraction
+    cfg.audit.label_time_share = 1.0
   for key, value in overrides.items():
     block, name = key.split("__")
     cfg[block][name] = value
@@ -214,3 +215,21 @@ def test_a_wrong_version_label_is_found_online_and_offline(tmp_path, monkeypatch
                                   "version_labels": len(wrong), "rewards": 0}
   assert report["checked"]["labels_checked"] == audit["labels_checked"] > len(wrong)
   assert report["recorded_during_run"]["version_labels"] == len(wrong)
+
+
+def test_the_label_check_stays_within_its_share_of_the_wall_clock(tmp_path):
+  """With no time allowed (label_time_share 0) the first check runs, every later step skips
+  its version (counted, not passed), and the end of the run drains what is left: every
+  labelled (trajectory, version) pair is accounted for once."""
+  from jax_dora.orchestrator.integrity import IntegrityLedger  # pylint: disable=g-import-not-at-top
+
+  out = tmp_path / "run"
+  summary = _tiny_run(out, "one_step_off", verify_fraction=1.0, steps=4,
+                      audit__label_time_share=0.0)
+  audit = summary["audit"]
+  trained = IntegrityLedger.from_log(out / "trained_samples.jsonl", group_size=8,
+                                     max_staleness=2).trained_records()
+  pairs = sum(len({s[2] for s in r["spans"]}) for r in trained)
+  assert audit["labels_skipped"] > 0 and audit["labels_checked"] > 0
+  assert audit["labels_checked"] + audit["labels_skipped"] + audit["labels_unverifiable"] == pairs
+  assert summary["integrity_violations"] == []

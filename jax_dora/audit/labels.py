@@ -18,7 +18,10 @@ learner's shardings (one extra copy of the parameters for the duration: no
 optimizer state) and checks every pending span of that version at once;
 versions are taken oldest first, so the one nearest retirement goes first
 and the backlog never grows past the staleness window (one version is
-published per step, one is checked per step). A version already retired
+published per step, one is checked or skipped per step). The restore grows
+with the model, so the orchestrator skips a version (counted) whenever the
+check's total time would pass ``audit.label_time_share`` of the run's
+wall-clock. A version already retired
 (``snapshots.max_to_keep`` below the staleness window) cannot be checked:
 its spans are counted as unverifiable, never silently passed. The last
 versions are drained at the end of the run.
@@ -65,24 +68,29 @@ class SpanCheck:
   max_abs: float
 
 
+# Rows per recompute call (rounded up to the learner's batch devices): a sample of 2%
+# brings one to a few trajectories per version.
+_CHUNK_ROWS = 8
+
+
+def chunk_rows(batch_devices: int, max_rows: int) -> int:
+  """Rows of every recompute call: one fixed count, so a run meets one program per length
+  bucket, which the learner compiles with its step before the clock starts
+  (``Learner.compile_logprobs``) instead of in the middle of a step."""
+  unit = int(batch_devices)
+  want = max(1, min(int(max_rows), _CHUNK_ROWS))
+  return -(-want // unit) * unit
+
+
 def recompute(learner: Any, params: Any, trajs: Sequence[Trajectory], version: int, *,
               seq_buckets: Sequence[int], pad_id: int, max_rows: int) -> list[SpanCheck]:
   """The log-probs of every token of ``trajs`` labelled ``version``, under ``params``,
-  against the stored ones (one :class:`SpanCheck` per trajectory).
-
-  Rows go in chunks of a power-of-two multiple of the learner's batch devices
-  (at most ``max_rows``), so a run compiles a handful of programs, not one per
-  sample size.
-  """
-  unit = int(learner.batch_devices)
-  cap = max(unit, (int(max_rows) // unit) * unit)
+  against the stored ones (one :class:`SpanCheck` per trajectory), in calls of
+  :func:`chunk_rows` rows."""
+  rows = chunk_rows(learner.batch_devices, max_rows)
   out = []
-  for lo in range(0, len(trajs), cap):
-    chunk = list(trajs[lo:lo + cap])
-    rows = unit
-    while rows < len(chunk):
-      rows *= 2
-    rows = min(rows, cap)
+  for lo in range(0, len(trajs), rows):
+    chunk = list(trajs[lo:lo + rows])
     seq_len = bucket_length(chunk, seq_buckets)
     # learner_version 0: token_staleness is minus each token's version label.
     batch = make_batch(chunk, np.zeros(len(chunk), np.float32), seq_len, pad_id,
@@ -132,6 +140,7 @@ class LabelAudit:
     self._pending: dict[tuple[str, int], list[Trajectory]] = collections.defaultdict(list)
     self.checked = 0  # (trajectory, version) pairs recomputed
     self.unverifiable = 0  # pairs whose version was gone or unreadable
+    self.skipped = 0  # pairs not checked to stay within the time budget
     self.largest = 0.0  # largest mean |stored - recomputed| over checked pairs
     self.checks: list[SpanCheck] = []  # every result, for reports (benchmarks, offline audit)
 
@@ -152,6 +161,12 @@ class LabelAudit:
 
   def verify_next(self) -> list[tuple[str, str]]:
     """Checks the oldest pending version; ``(kind, message)`` per violation."""
+    # Versions already retired cost no restore: count them and take the next, so a step's
+    # check goes to a version that can still be checked.
+    while self._pending and not self.reader.has_version(self.pending_versions[0][1]):
+      incarnation, version = self.pending_versions[0]
+      self.unverifiable += len(self._pending.pop((incarnation, version)))
+      log.debug("audit: version %d retired before its labels could be checked", version)
     if not self._pending:
       return []
     incarnation, version = self.pending_versions[0]
@@ -181,6 +196,11 @@ class LabelAudit:
                     f" log-probs differ from version {c.version}'s by {c.mean_abs:.3g} on average"
                     f" (max {c.max_abs:.3g}, {c.tokens} tokens; tolerance {self.tolerance:g})"))
     return out
+
+  def skip_next(self) -> None:
+    """Drops the oldest pending version unchecked (over the time budget), counting it."""
+    if self._pending:
+      self.skipped += len(self._pending.pop(self.pending_versions[0]))
 
   def verify_all(self) -> list[tuple[str, str]]:
     """Drains every pending version (the end of a run, the offline audit)."""

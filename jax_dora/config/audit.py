@@ -26,8 +26,16 @@ class AuditConfig(ConfigBlock):
       " the tiny policy by benchmarks/label_audit.py; measure your own model with"
       " `python -m jax_dora.audit RUN_DIR --separation`).")
 
+  label_time_share: float = field(
+      0.01, "Largest share of the run's wall-clock the between-step label check may take: one"
+      " snapshot restore + forward per checked version, which grows with the model; a version"
+      " that would go over is skipped (summary audit.labels_skipped). 1.0 checks every version"
+      " (tests); the end-of-run drain is not limited.")
+
   def __post_init__(self):
     if not 0.0 <= self.verify_fraction <= 1.0:
       self.fail("verify_fraction", "must be in [0, 1]")
+    if not 0.0 <= self.label_time_share <= 1.0:
+      self.fail("label_time_share", "must be in [0, 1]")
     if self.label_tolerance < 0:
       self.fail("label_tolerance", "must be > 0, or 0 for the precision's default")

@@ -561,6 +561,14 @@ class Learner:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params)
 
+  def compile_logprobs(self, rows: int, seq_lens: Sequence[int]) -> None:
+    """Compiles :meth:`logprobs_under` for ``[rows, seq_len]`` batches ahead of time (the
+    audit's label check; like :meth:`warmup`, into the compilation cache)."""
+    for seq_len in sorted(set(int(s) for s in seq_lens)):
+      batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+               for k, (shape, dtype) in batch_shapes(rows, seq_len, self.routing).items()}
+      self._logprobs_fn.lower(self.params_target(), batch).compile()
+
   def logprobs_under(self, params: Any, batch: dict[str, np.ndarray]) -> np.ndarray:
     """Log-probs of ``batch``'s masked targets under ``params`` (0 elsewhere), on the host.
 

@@ -132,6 +132,7 @@ class Orchestrator:
     # None: labels not recomputed (run_training builds one on the learner's devices).
     self.label_audit = label_audit
     self._audit_s = 0.0  # learner time the last step spent checking labels
+    self._audit_total_s = 0.0  # ... and the whole run so far
     self.tool_audit: dict[str, int] = {}
     # What the end-of-run audit re-verified, by kind (summary["audit"]).
     self.audit_counts: dict[str, int] = {}
@@ -461,8 +462,12 @@ class Orchestrator:
     if audit is None or not audit.active or not audit.pending_versions:
       return
     t0 = time.time()
+    if not drain and self._audit_total_s > self.cfg.audit.label_time_share * (t0 - self._t0):
+      audit.skip_next()  # over the time budget: the learner trains on
+      return
     found = await asyncio.to_thread(audit.verify_all if drain else audit.verify_next)
     self._audit_s = time.time() - t0
+    self._audit_total_s += self._audit_s
     for kind, message in found:
       log.error("audit: %s", message)
       self.ledger.audit_failure(kind, message)
@@ -710,6 +715,8 @@ class Orchestrator:
     if self.label_audit is not None and self.label_audit.active:
       counts.update(labels_checked=self.label_audit.checked,
                     labels_unverifiable=self.label_audit.unverifiable,
+                    labels_skipped=self.label_audit.skipped,
+                    label_check_s=self._audit_total_s,
                     label_max_mean_abs_diff=self.label_audit.largest)
     self.audit_counts.update(counts, violations={**self.ledger.verdict(), "tool_calls": len(tools)})
     return self.ledger.check() + tools
