@@ -54,6 +54,7 @@ Placement (``--placement``):
 
 Usage: python benchmarks/modes.py [--rounds 3] [--budget_s 40] [--modes sync,dora,...]
                                   [--workload long_tail|long_context]
+                                  [--variant off: --variant on:--config.x=y ...]
                                   [--placement split|shared] [--json FILE]
                                   [--config.x=y ...]
 """
@@ -323,6 +324,11 @@ def main() -> None:
   ap.add_argument("--out", default="", help="directory for per-mode runs (default: temp)")
   ap.add_argument("--shuffle_seed", type=int, default=0, help="seeds the per-round mode order")
   ap.add_argument("--json", default="", help="also write the aggregated table here")
+  ap.add_argument("--variant", action="append", default=[], metavar="NAME:--config.x=y,...",
+                  help="run every mode once per variant (repeatable), interleaved in the same"
+                       " rounds; the table adds each variant's tok/s over the first one's of the"
+                       " same round (an A/B of a setting's cost, e.g. off: and"
+                       " on:--config.audit.verify_fraction=0.02)")
   a, overrides = ap.parse_known_args()
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
@@ -335,6 +341,14 @@ def main() -> None:
   base = pathlib.Path(a.out or tempfile.mkdtemp(prefix="jax_dora_modes_"))
   default_modes = TOOLS_MODES if a.workload == "tools" else ALL_MODES
   modes = [m for m in (a.modes or ",".join(default_modes)).split(",") if m]
+  variants: dict[str, list[str]] = {}
+  for v in a.variant:
+    name, _, extra = v.partition(":")
+    variants[name] = [o for o in extra.split(",") if o]
+    if not name or any(not o.startswith("--config.") for o in variants[name]):
+      ap.error(f"--variant {v!r}: expected NAME:--config.x=y[,--config.z=w]")
+  if variants:  # one entry per mode and variant: "dora_pace@on"
+    modes = [f"{m}@{name}" for m in modes for name in variants]
   if a.workload == "tools":
     given = {o.split("=", 1)[0] for o in overrides}
     overrides = [o for o in TOOLS_DEFAULT_OVERRIDES if o.split("=", 1)[0] not in given] + overrides
@@ -349,8 +363,9 @@ def main() -> None:
     order = round_order(modes, rnd, a.shuffle_seed)
     print(f"round {rnd + 1}/{a.rounds}: {', '.join(order)}", flush=True)
     for m in order:
-      s = run_mode(m, base / f"round{rnd}" / m, budget, overrides + [f"--config.seed={rnd}"],
-                   a.placement)
+      mode, _, variant = m.partition("@")
+      s = run_mode(mode, base / f"round{rnd}" / m, budget,
+                   overrides + variants.get(variant, []) + [f"--config.seed={rnd}"], a.placement)
       runs[m].append(s)
       print(f"  {m:<17} {s['steps']:>4} steps {s['trained_tokens_per_s']:>7.0f} tok/s"
             f"  bubble {s['bubble_ratio']:.0%}", flush=True)
@@ -370,6 +385,14 @@ def main() -> None:
                               for d, u in zip(runs["dora_pace"], runs["async_unfiltered"])])
     rows["dora_pace"]["x_async_unfiltered"] = per_round
     print(f"dora_pace / async_unfiltered trained tokens/s: {_fmt_spread(per_round)}")
+  names = list(variants)
+  for m in dict.fromkeys(k.partition("@")[0] for k in runs) if len(names) > 1 else ():
+    first = runs[f"{m}@{names[0]}"]
+    for name in names[1:]:
+      per_round = ratio_spread([v["trained_tokens_per_s"] / max(f["trained_tokens_per_s"], 1e-9)
+                                for v, f in zip(runs[f"{m}@{name}"], first)])
+      rows[f"{m}@{name}"][f"x_{names[0]}"] = per_round
+      print(f"{m}: {name} / {names[0]} trained tokens/s: {_fmt_spread(per_round)}")
   for m, s in rows.items():
     if s.get("tool_calls_per_trajectory") is not None:
       print(f"{m}: {s['tool_calls_per_trajectory']:.2f} tool calls per trained trajectory,"
