@@ -40,6 +40,9 @@ Usage::
   python benchmarks/time_to_reward.py                      # the default: about an hour on 2 cores
   python benchmarks/time_to_reward.py --budget_s 60 --seeds 2 --modes dora_pace
   python -m jax_dora.report --curves OUT/time_to_reward.json -o reward_curves.png
+  # a knob of one mode against its default, in the same seeds (issue 27's part 4):
+  python benchmarks/time_to_reward.py --modes dora_pace,dora_pace@big_pool \
+      --variant big_pool:--config.pace.target_pool_groups=16
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def run_one(mode: str, seed: int, out: pathlib.Path, budget_s: float, every_s: f
       "--config.eval.at_start=False",
   ]
   t0 = time.time()
-  summary = modes_bench.run_mode(mode, out, budget_s, extra, a.placement)
+  summary = modes_bench.run_mode(mode.partition("@")[0], out, budget_s, extra, a.placement)
   trained_s = time.time() - t0
   # A step may end a little past the budget; the curve stops at the budget.
   curve = evaluate_curve(out, budget_s, every_s, a.eval_prompts, a.eval_samples)
@@ -177,6 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--out", default="", help="directory for the runs (default: temp)")
   ap.add_argument("--keep_snapshots", action="store_true",
                   help="keep every run's snapshots (default: deleted once evaluated)")
+  ap.add_argument("--variant", action="append", default=[], metavar="NAME:--config.x=y,...",
+                  help="names a set of overrides; a mode written MODE@NAME in --modes runs with"
+                       " them (repeatable)")
   ap.add_argument("--from_json", default="", metavar="JSON",
                   help="recompute the table from a finished run's time_to_reward.json (its stored"
                        " curves; e.g. with another --target_points) instead of running")
@@ -190,6 +196,15 @@ def main(argv: list[str] | None = None) -> dict:
   budget = a.budget_s
   every = a.every_s or budget / 6
   others = [m for m in a.modes.split(",") if m and m != "sync"]
+  variants: dict[str, list[str]] = {}
+  for v in a.variant:
+    name, _, extra = v.partition(":")
+    variants[name] = [o for o in extra.split(",") if o]
+    if not name or any(not o.startswith("--config.") for o in variants[name]):
+      ap.error(f"--variant {v!r}: expected NAME:--config.x=y[,--config.z=w]")
+  unknown = [m for m in others if "@" in m and m.partition("@")[2] not in variants]
+  if unknown:
+    ap.error(f"modes {unknown} name no --variant")
   base = pathlib.Path(a.out or tempfile.mkdtemp(prefix="jax_dora_ttr_"))
   base.mkdir(parents=True, exist_ok=True)
   if a.placement == "split":
@@ -208,12 +223,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"seed {seed}: {', '.join(order)}", flush=True)
     for mode in order:
       b = budget if mode == "sync" else 2 * budget
-      runs.append(run_one(mode, seed, base / f"seed{seed}" / mode, b, every, a, overrides))
+      runs.append(run_one(mode, seed, base / f"seed{seed}" / mode, b, every, a,
+                          overrides + variants.get(mode.partition("@")[2], [])))
   summary = _summarize(runs, ["sync", *others], budget, devices, a.target_points)
   print_table(summary, budget)
   result = {"workload": modes_bench.CONFIG, "overrides": overrides, "budget_s": budget,
             "every_s": every, "target_points": a.target_points, "seeds": a.seeds, "placement": a.placement,
-            "devices_per_run": devices, "eval_prompts": a.eval_prompts,
+            "devices_per_run": devices, "eval_prompts": a.eval_prompts, "variants": variants,
             "eval_samples": a.eval_samples, "date": time.strftime("%Y-%m-%d %H:%M"),
             "summary": summary, "runs": runs}
   path = base / "time_to_reward.json"

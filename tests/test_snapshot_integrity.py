@@ -124,6 +124,8 @@ def test_a_run_publishing_other_params_than_the_learners_fails_its_audit(tmp_pat
       summary["integrity_violations"]
   assert "the publisher recorded" in bad[0]
   assert len(summary["integrity_violations"]) == 2
+  assert summary["audit"]["violations"] == {"bookkeeping": 0, "snapshots": 2, "version_labels": 0,
+                                            "rewards": 0, "tool_calls": 0}
 
 
 def test_a_stored_reward_that_is_not_the_reward_functions_is_a_violation(tmp_path, monkeypatch):
