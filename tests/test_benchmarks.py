@@ -206,3 +206,24 @@ def test_moe_grouped_matmul_benchmark_runs(tmp_path):
                                  "--top_k=2", "--dtype=float32", "--iters=1",
                                  f"--json={tmp_path / 'moe.json'}"])
   assert out["ragged_s"] > 0 and out["floor_s"] > 0 and (tmp_path / "moe.json").exists()
+
+
+def test_pace_records_by_hand(tmp_path):
+  """Rejections, lengths and staleness of a hand-written trained-sample log."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import pace_records  # pylint: disable=g-import-not-at-top
+
+  def finished(sid, m, n):
+    return {"event": "finished", "sample_id": sid, "member": m, "num_tokens": n}
+
+  log = [finished(1, 0, 10), finished(1, 1, 20), finished(2, 0, 3), finished(2, 1, 5),
+         {"event": "rejected", "sample_id": 2, "members": [0, 1], "reason": "pace_waiting",
+          "regenerate": True},
+         *({"event": "trained", "sample_id": 1, "member": m, "num_tokens": n,
+            "learner_version": 7, "spans": [[0, n, v]]} for m, n, v in ((0, 10, 5), (1, 20, 6)))]
+  (tmp_path / "trained_samples.jsonl").write_text("\n".join(json.dumps(r) for r in log) + "\n")
+  r = pace_records.run_records(tmp_path)
+  assert r["trained_groups"] == 1 and r["rejected_groups"] == {"pace_waiting": 1}
+  assert r["rejected_share"] == 0.5
+  assert r["rejected_len_mean"] == 4.0 and r["trained_len_mean"] == 15.0
+  assert r["staleness_mean"] == 1.5 and r["staleness_max"] == 2
