@@ -34,6 +34,13 @@ class TokenSpan:
   version: int
 
 
+def no_route(dtype: Any) -> int:
+  """The "no route recorded" sentinel of an MoE routing record of ``dtype`` (its maximum;
+  ``jax_dora.model.routing`` says where it appears). Here, in the leaf module, so that every
+  reader of records (batches, tool turns, the audit) spells it one way."""
+  return int(np.iinfo(np.dtype(dtype)).max)
+
+
 @dataclasses.dataclass
 class Trajectory:
   """A completed (or aborted) generation with everything the learner needs.
@@ -114,7 +121,7 @@ class Trajectory:
       return 0
     needed = len(self.prompt_tokens) + int(sampled[-1])
     head = self.routing[:needed]
-    return int(np.sum(np.any(head == np.iinfo(head.dtype).max, axis=(-2, -1))))
+    return int(np.sum(np.any(head == no_route(head.dtype), axis=(-2, -1))))
 
   def token_versions(self) -> np.ndarray:
     """Per-completion-token policy version, expanded from ``spans``."""

@@ -48,7 +48,7 @@ import numpy as np
 from jax_dora.learner.batching import bucket_length, make_batch
 from jax_dora.snapshots import (SnapshotCorruptError, SnapshotIntegrityError,
                                 SnapshotNotFoundError, SnapshotReader)
-from jax_dora.types import Trajectory
+from jax_dora.types import Trajectory, no_route
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
   for k, v in batch.items():
     pad = np.zeros((rows - n,) + v.shape[1:], v.dtype)
     if k == "routing":
-      pad[...] = np.iinfo(v.dtype).max
+      pad[...] = no_route(v.dtype)
     out[k] = np.concatenate([v, pad])
   return out
 

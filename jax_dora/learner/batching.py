@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_dora.types import Trajectory
+from jax_dora.types import Trajectory, no_route
 
 
 def parse_buckets(spec: str, max_seq_len: int) -> tuple[int, ...]:
@@ -82,7 +82,7 @@ def make_batch(
   routes = None
   if routing is not None:
     shape, dtype = routing
-    routes = np.full((b, seq_len - 1) + tuple(shape), np.iinfo(dtype).max, dtype)
+    routes = np.full((b, seq_len - 1) + tuple(shape), no_route(dtype), dtype)
   for i, t in enumerate(trajectories):
     p = len(t.prompt_tokens)
     c = len(t.completion_tokens)

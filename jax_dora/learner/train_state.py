@@ -44,6 +44,7 @@ from jax_dora.model import (
   head_weight,
   init_key,
 )
+from jax_dora.types import no_route
 
 
 @flax.struct.dataclass
@@ -538,7 +539,7 @@ class Learner:
     out = {k: np.zeros(shape, dtype)
            for k, (shape, dtype) in batch_shapes(batch_rows, seq_len, self.routing).items()}
     if "routing" in out:  # no route recorded (not expert 0 everywhere)
-      out["routing"][...] = np.iinfo(out["routing"].dtype).max
+      out["routing"][...] = no_route(out["routing"].dtype)
     return out
 
   def detached_params(self, version: int | None = None) -> Any:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dora.model.config import ModelConfig
+from jax_dora.types import no_route
 
 # The Flax collection MoE layers sow their chosen expert ids into.
 ROUTING = "routing"
@@ -40,7 +41,7 @@ def routing_dtype(num_experts: int) -> np.dtype:
 
 def sentinel(num_experts: int) -> int:
   """The "no route recorded" value of :func:`routing_dtype`."""
-  return int(np.iinfo(routing_dtype(num_experts)).max)
+  return no_route(routing_dtype(num_experts))
 
 
 def routing_shape(cfg: ModelConfig) -> tuple[int, int] | None:
@@ -68,7 +69,7 @@ def keep_recorded(recorded: np.ndarray | None, fresh: np.ndarray) -> np.ndarray:
     return fresh
   out = fresh.copy()
   n = len(recorded)
-  have = np.all(recorded != np.iinfo(recorded.dtype).max, axis=(-2, -1))
+  have = np.all(recorded != no_route(recorded.dtype), axis=(-2, -1))
   out[:n][have] = recorded[have]
   return out
 

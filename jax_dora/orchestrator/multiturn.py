@@ -30,7 +30,7 @@ from jax_dora.orchestrator.dispatch import to_trajectory
 from jax_dora.registry import Registry
 from jax_dora.rollout.api import VersionUnavailableError
 from jax_dora.tools.base import ToolCall, ToolResult
-from jax_dora.types import Trajectory
+from jax_dora.types import Trajectory, no_route
 
 
 class CallFormat(Protocol):
@@ -209,7 +209,7 @@ class ToolLoop:
         [traj.behaviour_logprobs, np.zeros((len(ids),), np.float32)])
     traj.context_spans = [*traj.context_spans, (start, start + len(ids))]
     if traj.routing is not None:  # not run yet: the next turn's prefill records them
-      gap = np.full((len(ids),) + traj.routing.shape[1:], np.iinfo(traj.routing.dtype).max,
+      gap = np.full((len(ids),) + traj.routing.shape[1:], no_route(traj.routing.dtype),
                     traj.routing.dtype)
       traj.routing = np.concatenate([traj.routing, gap])
     ran = arguments is not None and len(traj.tool_calls) < self.max_calls
