@@ -305,6 +305,18 @@ def print_table(rows: dict[str, dict]) -> None:
     )
 
 
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+  """``--variant NAME:--config.x=y,--config.z=w`` arguments -> ``{NAME: [overrides]}``
+  (this benchmark's and ``time_to_reward.py``'s); ValueError names a malformed one."""
+  variants: dict[str, list[str]] = {}
+  for spec in specs:
+    name, _, extra = spec.partition(":")
+    variants[name] = [o for o in extra.split(",") if o]
+    if not name or any(not o.startswith("--config.") for o in variants[name]):
+      raise ValueError(f"--variant {spec!r}: expected NAME:--config.x=y[,--config.z=w]")
+  return variants
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--budget_s", type=float, default=40.0,
@@ -341,12 +353,10 @@ def main() -> None:
   base = pathlib.Path(a.out or tempfile.mkdtemp(prefix="jax_dora_modes_"))
   default_modes = TOOLS_MODES if a.workload == "tools" else ALL_MODES
   modes = [m for m in (a.modes or ",".join(default_modes)).split(",") if m]
-  variants: dict[str, list[str]] = {}
-  for v in a.variant:
-    name, _, extra = v.partition(":")
-    variants[name] = [o for o in extra.split(",") if o]
-    if not name or any(not o.startswith("--config.") for o in variants[name]):
-      ap.error(f"--variant {v!r}: expected NAME:--config.x=y[,--config.z=w]")
+  try:
+    variants = parse_variants(a.variant)
+  except ValueError as e:
+    ap.error(str(e))
   if variants:  # one entry per mode and variant: "dora_pace@on"
     modes = [f"{m}@{name}" for m in modes for name in variants]
   if a.workload == "tools":

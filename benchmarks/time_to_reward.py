@@ -196,12 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
   budget = a.budget_s
   every = a.every_s or budget / 6
   others = [m for m in a.modes.split(",") if m and m != "sync"]
-  variants: dict[str, list[str]] = {}
-  for v in a.variant:
-    name, _, extra = v.partition(":")
-    variants[name] = [o for o in extra.split(",") if o]
-    if not name or any(not o.startswith("--config.") for o in variants[name]):
-      ap.error(f"--variant {v!r}: expected NAME:--config.x=y[,--config.z=w]")
+  try:
+    variants = modes_bench.parse_variants(a.variant)
+  except ValueError as e:
+    ap.error(str(e))
   unknown = [m for m in others if "@" in m and m.partition("@")[2] not in variants]
   if unknown:
     ap.error(f"modes {unknown} name no --variant")
