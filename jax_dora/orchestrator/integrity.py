@@ -163,8 +163,8 @@ class IntegrityLedger:
     self._counts: collections.Counter[str] = collections.Counter()
     self._step = 0
     self._incarnation = ""
-    self._audit_failures: collections.Counter[str] = collections.Counter()
-    self._audit_messages: list[str] = []
+    # (kind, message) of every finding on re-derived data (audit_failure events).
+    self._audit_findings: list[tuple[str, str]] = []
 
   @classmethod
   def from_log(
@@ -235,18 +235,16 @@ class IntegrityLedger:
     if ev == "snapshot_mismatch":
       # A published version whose parameters are not the learner's at that version
       # (carried too: data trained before a resume was still trained on it).
-      self._audit_failures["snapshots"] += 1
       message = (f"snapshot version {r['version']}: {r['problem']} (the learner's own parameters"
                  " at that version differ from the published record)")
       self._event_violations.append(message)
-      self._audit_messages.append(message)
+      self._audit_findings.append(("snapshots", message))
       return
     if ev == "audit_failure":
       # The data itself re-derived and found different (jax_dora.audit): a wrong
       # version label, a wrong reward, a snapshot that is not what was published.
-      self._audit_failures[r["kind"]] += 1
       self._event_violations.append(r["message"])
-      self._audit_messages.append(r["message"])
+      self._audit_findings.append((r["kind"], r["message"]))
       return
     sid = int(r["sample_id"])
     if carried:
@@ -318,15 +316,15 @@ class IntegrityLedger:
     """Violations by kind: ``bookkeeping`` (the ledger's own invariants) and each kind
     of re-derived data (``snapshots``, ``version_labels``, ``rewards``)."""
     with self._lock:
-      derived = dict(self._audit_failures)
-      total = len(self.check(final))
-    return {"bookkeeping": total - sum(derived.values()), "snapshots": 0, "version_labels": 0,
-            "rewards": 0, **derived}
+      derived = collections.Counter(kind for kind, _ in self._audit_findings)
+      bookkeeping = len(self.bookkeeping_violations(final))
+    return {"bookkeeping": bookkeeping, "snapshots": 0, "version_labels": 0, "rewards": 0,
+            **derived}
 
   def bookkeeping_violations(self, final: bool = True) -> list[str]:
     """:meth:`check` without the audit's findings on re-derived data."""
     with self._lock:
-      derived = set(self._audit_messages)
+      derived = {message for _, message in self._audit_findings}
       return [m for m in self.check(final) if m not in derived]
 
   def snapshot_mismatch(self, version: int, problem: str) -> None:
