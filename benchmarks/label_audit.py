@@ -25,7 +25,7 @@ after it, in three numeric settings:
 It prints, per setting, the distribution of the statistic under the claimed
 and the adjacent versions, the margin (smallest adjacent / largest claimed)
 and the share of right labels (false alarms) and of off-by-one labels the
-precision's default tolerance flags (``jax_dora.runtime.label_tolerance``).
+precision's default tolerance flags (``jax_dora.audit.labels.label_tolerance``).
 
 Prediction (written before the run): float32 claims ~1e-7 (the two programs
 agree to rounding); a one-step neighbour differs by the policy's change per

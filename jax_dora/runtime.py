@@ -51,12 +51,12 @@ from jax_dora.orchestrator.run_checkpoint import (
   prompt_to_json,
 )
 from jax_dora.orchestrator.runner import Orchestrator, PromptSupply, RunHooks
-from jax_dora.audit.labels import LabelAudit, chunk_rows
+from jax_dora.audit.labels import build_label_audit, chunk_rows, label_max_rows
 from jax_dora.audit.sample import SAMPLE_FILE, AuditSample
 from jax_dora.audit.snapshots import SnapshotAudit
 from jax_dora.policy import PolicySpec, resolve_policy
 from jax_dora.rewards import RewardScorer
-from jax_dora.snapshots import SnapshotPublisher, SnapshotReader
+from jax_dora.snapshots import SnapshotPublisher
 from jax_dora.types import Prompt
 
 log = logging.getLogger("jax_dora")
@@ -261,35 +261,6 @@ def build_rollout_side(cfg: RunConfig, snapshot_dir: epath.Path,
   )
   return RolloutSide(clients, dispatcher, RewardScorer.from_config(cfg.reward),
                      build_tool_executor(cfg))
-
-
-def label_tolerance(cfg: RunConfig) -> float:
-  """``audit.label_tolerance``, or by precision (benchmarks/label_audit.py, tiny policy): a
-  right label's statistic is <= 3e-7 in float32 and <= 5e-3 in bfloat16; an adjacent
-  version's is >= 3.6e-3 in float32 and mostly (90%) >= 1e-2 in bfloat16."""
-  if cfg.audit.label_tolerance > 0:
-    return cfg.audit.label_tolerance
-  dtypes = {cfg.model.dtype, cfg.model.param_dtype, cfg.rollout.param_dtype or cfg.model.param_dtype}
-  return 1e-3 if dtypes == {"float32"} else 1e-2
-
-
-def build_label_audit(cfg: RunConfig, snapshot_dir: epath.Path, learner: Any, tokenizer: Any, *,
-                      enabled: bool = True) -> LabelAudit:
-  """The version-label check on ``learner``'s devices (``jax_dora.audit.labels``)."""
-  window = cfg.orchestrator.max_staleness + 2  # the oldest span's version, plus the newest
-  if enabled and cfg.audit.verify_fraction > 0 and 0 < cfg.snapshots.max_to_keep < window:
-    log.warning("snapshots.max_to_keep=%d keeps fewer versions than the audit's label check"
-                " may need (max_staleness + 2 = %d): spans of retired versions are counted as"
-                " unverifiable", cfg.snapshots.max_to_keep, window)
-  reader = SnapshotReader(snapshot_dir) if enabled and cfg.audit.verify_fraction > 0 else None
-  return LabelAudit(
-      reader, learner, tolerance=label_tolerance(cfg), seq_buckets=learner.seq_len_buckets,
-      pad_id=tokenizer.pad_id, max_rows=label_max_rows(cfg))
-
-
-def label_max_rows(cfg: RunConfig) -> int:
-  """The most rows the label check puts in one forward: a training micro-batch's."""
-  return cfg.learner.micro_batch_size or cfg.learner.batch_rows
 
 
 def run_async(main: Callable[[], Any]) -> Any:

@@ -82,7 +82,7 @@ def separation(label_audit: Any, sample: list[Any]) -> dict[str, list[float]]:
 def audit_run(run_dir: str, *, fraction: float = 1.0, measure_separation: bool = False,
               seed: int = 0) -> dict[str, Any]:
   """Every offline check of ``run_dir``; the verdict by kind, counts and messages."""
-  from jax_dora.audit.labels import SNAPSHOTS, VERSION_LABELS  # pylint: disable=g-import-not-at-top
+  from jax_dora.audit.labels import SNAPSHOTS, VERSION_LABELS, build_label_audit  # pylint: disable=g-import-not-at-top
   from jax_dora.audit.rewards import RewardAudit  # pylint: disable=g-import-not-at-top
   from jax_dora.audit.sample import SAMPLE_FILE, read_sample, subsample  # pylint: disable=g-import-not-at-top
   from jax_dora.config import validate  # pylint: disable=g-import-not-at-top
@@ -91,7 +91,6 @@ def audit_run(run_dir: str, *, fraction: float = 1.0, measure_separation: bool =
   from jax_dora.orchestrator.modes import mode_class  # pylint: disable=g-import-not-at-top
   from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
   from jax_dora.rewards import RewardScorer  # pylint: disable=g-import-not-at-top
-  from jax_dora.runtime import build_label_audit  # pylint: disable=g-import-not-at-top
   from jax_dora.snapshots import SnapshotReader  # pylint: disable=g-import-not-at-top
 
   if not os.path.exists(os.path.join(run_dir, "config.json")):

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_dora.config import RunConfig
 from jax_dora.learner.batching import bucket_length, make_batch
 from jax_dora.snapshots import (SnapshotCorruptError, SnapshotIntegrityError,
                                 SnapshotNotFoundError, SnapshotReader)
@@ -208,3 +209,34 @@ class LabelAudit:
     while self._pending:
       out += self.verify_next()
     return out
+
+
+def label_tolerance(cfg: RunConfig) -> float:
+  """``audit.label_tolerance``, or by precision (``benchmarks/label_audit.py``, tiny policy,
+  12-05): a right label's statistic is <= 4.8e-7 in float32 and <= 5.2e-3 in bfloat16; an
+  adjacent version's is >= 2.7e-3 in float32, and above 1e-2 for ~96.5% of spans in
+  bfloat16."""
+  if cfg.audit.label_tolerance > 0:
+    return cfg.audit.label_tolerance
+  dtypes = {cfg.model.dtype, cfg.model.param_dtype, cfg.rollout.param_dtype or cfg.model.param_dtype}
+  return 1e-3 if dtypes == {"float32"} else 1e-2
+
+
+def build_label_audit(cfg: RunConfig, snapshot_dir: Any, learner: Any, tokenizer: Any, *,
+                      enabled: bool = True) -> LabelAudit:
+  """The run's :class:`LabelAudit` on ``learner``'s devices;
+  ``enabled=False`` (a multi-process learner) builds an inactive one."""
+  window = cfg.orchestrator.max_staleness + 2  # the oldest span's version, plus the newest
+  if enabled and cfg.audit.verify_fraction > 0 and 0 < cfg.snapshots.max_to_keep < window:
+    log.warning("snapshots.max_to_keep=%d keeps fewer versions than the audit's label check"
+                " may need (max_staleness + 2 = %d): spans of retired versions are counted as"
+                " unverifiable", cfg.snapshots.max_to_keep, window)
+  reader = SnapshotReader(snapshot_dir) if enabled and cfg.audit.verify_fraction > 0 else None
+  return LabelAudit(
+      reader, learner, tolerance=label_tolerance(cfg), seq_buckets=learner.seq_len_buckets,
+      pad_id=tokenizer.pad_id, max_rows=label_max_rows(cfg))
+
+
+def label_max_rows(cfg: RunConfig) -> int:
+  """The most rows the label check puts in one forward: a training micro-batch's."""
+  return cfg.learner.micro_batch_size or cfg.learner.batch_rows
