@@ -12,9 +12,10 @@ from _traj import make_group, make_traj
 from jax_dora.config import base_config
 from jax_dora.orchestrator import staleness as sl
 from jax_dora.orchestrator.pace import (
+    GenerationReference,
     PaceConfig,
     PaceController,
-    reference_versions_per_token,
+    estimate_reference,
     score_group,
 )
 from jax_dora.orchestrator.pool import TrajectoryPool
@@ -147,11 +148,11 @@ def test_pace_rejects_exactly_the_budget_and_the_worst_scores(cfg, spec):
   out = ctl.select_rejections(groups, now)
   assert len(out) == _expected_budget(cfg, excess) == ctl.last_budget
   assert len(groups) - len(out) >= min(len(groups), cfg.target_pool_groups)  # never below target
-  k = reference_versions_per_token(groups, cfg)
+  ref = estimate_reference(groups, cfg)
   rejected = {g[0].sample_id for g, _, _ in out}
-  kept = [score_group(g, now, cfg, k).score for g in groups if g[0].sample_id not in rejected]
+  kept = [score_group(g, now, cfg, ref).score for g in groups if g[0].sample_id not in rejected]
   for g, score, reason in out:
-    assert score == pytest.approx(score_group(g, now, cfg, k).score)
+    assert score == pytest.approx(score_group(g, now, cfg, ref).score)
     assert reason in ("pace_waiting", "pace_generation")
     assert all(score >= s - 1e-9 for s in kept)
   # Asking again at the same version spends no more than the version's budget.
@@ -226,18 +227,79 @@ def test_long_recent_rollout_not_scored_worse_than_short_one_that_waited(
   short_g = make_group(
       1, 2, length=short_len, version=now - w_short - gen_short, finish_version=now - w_short
   )
-  k = reference_versions_per_token([long_g, short_g], cfg)
-  assert score_group(long_g, now, cfg, k).score <= score_group(short_g, now, cfg, k).score
+  ref = estimate_reference([long_g, short_g], cfg)
+  assert score_group(long_g, now, cfg, ref).score <= score_group(short_g, now, cfg, ref).score
   out = PaceController(cfg).select_rejections([long_g, short_g], now)
   assert [g[0].sample_id for g, _, _ in out] == [1]  # the short, waiting one goes
 
 
 def test_unexplained_generation_staleness_is_penalised():
-  """A short rollout that sat 6 versions on a stalled server is not 'explained'."""
-  cfg = PaceConfig(target_pool_groups=1, gain=1.0, smoothing=0.0, versions_per_token=0.01)
+  """A short rollout that sat 6 versions on a stalled server is not 'explained' (the
+  length-only reference: request_latency_versions=0)."""
+  cfg = PaceConfig(target_pool_groups=1, gain=1.0, smoothing=0.0, versions_per_token=0.01,
+                   request_latency_versions=0.0)
   normal = make_group(0, 2, length=200, version=4, finish_version=6)  # explained: 2
   stalled = make_group(1, 2, length=10, version=0, finish_version=6)  # explained: 0.1
   ctl = PaceController(cfg)
   (g, score, reason), = ctl.select_rejections([normal, stalled], 6)
   assert g[0].sample_id == 1 and reason == "pace_generation"
   assert score == pytest.approx(0.5 * (6 - 0.1 - 1.0))
+
+
+def test_the_fitted_reference_by_hand():
+  """Four rollouts on the line g = 2 + 0.1 L and one of 10 tokens stalled for 9 versions.
+  Slopes between points of different lengths: six of 0.1 and, from the stalled one, -0.5,
+  -0.2, -0.1: median 0.1 (least squares would give -4/680, clamped to 0). Residuals
+  g - 0.1 L: 2, 2, 2, 2, 8: latency 2. The stalled group's unexplained staleness is
+  9 - (2 + 1) - slack 1 = 5, score 0.5 * 5 = 2.5; every other group's is 0."""
+  cfg = PaceConfig(target_pool_groups=4, gain=1.0, smoothing=0.0)
+  now = 20
+  groups = [make_group(sid, 2, length=n, version=now - g, finish_version=now)
+            for sid, (n, g) in enumerate([(10, 3), (20, 4), (30, 5), (40, 6), (10, 9)])]
+  assert estimate_reference(groups, cfg) == GenerationReference(
+      latency=pytest.approx(2.0), rate=pytest.approx(0.1))
+  ctl = PaceController(cfg)
+  (g, score, reason), = ctl.select_rejections(groups, now)
+  assert g[0].sample_id == 4 and reason == "pace_generation"
+  assert score == pytest.approx(2.5)
+  stats = ctl.stats()
+  assert stats["pace_reference_latency"] == pytest.approx(2.0)
+  assert stats["pace_reference_versions_per_token"] == pytest.approx(0.1)
+  # Configured parts are taken as given; the rest is fitted around them.
+  # Residuals g - 0.2 L: 1, 0, -1, -2, 7 (two members each): median 0.
+  assert estimate_reference(groups, PaceConfig(versions_per_token=0.2)) == GenerationReference(
+      latency=pytest.approx(0.0), rate=0.2)
+  # The length-only reference: k = sum g / sum L = 2 * 27 / (2 * 110).
+  assert estimate_reference(groups, PaceConfig(request_latency_versions=0.0)) == \
+      GenerationReference(latency=0.0, rate=pytest.approx(27 / 110))
+  assert estimate_reference(groups, PaceConfig(request_latency_versions=1.0)) == \
+      GenerationReference(latency=1.0, rate=pytest.approx((27 - 5) / 110))
+
+
+def test_a_rollouts_latency_does_not_make_short_groups_the_stalest():
+  """The long-tail benchmark's situation (README, PACE's knobs): every rollout spans ~3
+  versions of latency whatever its length. Three short groups (1 token, 3 versions) and two
+  long ones (40 tokens, 5 versions), one long group waiting one version in the pool; one
+  group over target. Fitted: slope (5 - 3) / 39, latency 3 - 2/39, nobody's generation
+  staleness unexplained: the group that waited goes. Length-only (k = 38/166 per token): a
+  short group keeps 3 - 38/166 - 1 = 1.77 versions unexplained, scored 1.77 with
+  generation_weight 1, above the waiting long group's 1.0: PACE rejects a short group."""
+  now = 10
+  groups = [make_group(sid, 2, length=1, version=now - 3, finish_version=now) for sid in range(3)]
+  groups.append(make_group(3, 2, length=40, version=now - 5, finish_version=now))
+  groups.append(make_group(4, 2, length=40, version=now - 6, finish_version=now - 1))
+  common = dict(target_pool_groups=4, gain=1.0, smoothing=0.0, generation_weight=1.0)
+  fitted = PaceConfig(**common)
+  assert estimate_reference(groups, fitted) == GenerationReference(
+      latency=pytest.approx(3 - 2 / 39), rate=pytest.approx(2 / 39))
+  (g, score, reason), = PaceController(fitted).select_rejections(groups, now)
+  assert (g[0].sample_id, score, reason) == (4, pytest.approx(1.0), "pace_waiting")
+  length_only = PaceConfig(**common, request_latency_versions=0.0)
+  (g, score, reason), = PaceController(length_only).select_rejections(groups, now)
+  assert (g[0].sample_id, reason) == (0, "pace_generation")
+  assert score == pytest.approx(3 - 38 / 166 - 1)
+
+
+def test_request_latency_versions_is_validated():
+  with pytest.raises(Exception, match="request_latency_versions"):
+    PaceConfig(request_latency_versions=-0.5)

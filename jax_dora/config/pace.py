@@ -27,6 +27,10 @@ class PaceConfig(ConfigBlock):
   versions_per_token: float = field(
       0.0, "Expected versions per generated token (prefix-aware generation staleness);"
       " 0 = estimate from the pool.")
+  request_latency_versions: float = field(
+      -1.0, "Versions every rollout spans whatever its length (admission, prefill, the trip"
+      " to the pool): the reference is request_latency_versions + versions_per_token * L."
+      " -1 = fit both to the pool (slope and median residual); 0 = the length-only reference.")
   generation_slack: float = field(
       1.0, "Generation staleness a trajectory's length explains before it counts.")
 
@@ -45,3 +49,5 @@ class PaceConfig(ConfigBlock):
     choice(self.BLOCK, "on_reject", self.on_reject, ON_REJECT)
     if self.versions_per_token < 0 or self.generation_slack < 0:
       raise ConfigError("config.pace.versions_per_token and generation_slack must be >= 0")
+    if self.request_latency_versions < 0 and self.request_latency_versions != -1:
+      self.fail("request_latency_versions", "must be >= 0, or -1 to estimate it")

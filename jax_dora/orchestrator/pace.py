@@ -34,21 +34,35 @@ Rejecting on raw effective staleness would mostly reject long answers: a
 rollout of ``L`` tokens spans about ``k * L`` published versions just because
 it is long (``k`` = versions per generated token). That biases GRPO toward
 short answers on exactly the long-tailed tasks where async rollout pays off.
-PACE therefore scores a complete group as::
+Length is not the only thing every rollout pays, though: admission, prefill
+and the trip back to the pool take a fixed time, and while the learner
+publishes several versions a second that latency alone spans versions (on
+the long-tail benchmark a 1-3 token rollout spans ~3 versions, as many as a
+16-token one). A reference that only scales with length leaves all of it
+"unexplained" for short rollouts, and PACE then rejects short groups: the
+same length bias the other way round (README, PACE's knobs). So the
+reference is affine, ``a + k * L``, and PACE scores a complete group as::
 
   score = waiting_weight    * (v_now - v_complete)
-        + generation_weight * mean_i max(0, g_i - k * L_i - generation_slack)
+        + generation_weight * mean_i max(0, g_i - (a + k * L_i) - generation_slack)
 
 * ``v_now - v_complete``: versions the *complete* group has waited in the pool
   (queueing the orchestrator caused; a member's wait for its slow sibling is
   not counted, else groups with one long member would be penalised);
 * ``g_i``: token-weighted generation staleness of member ``i``
-  (:func:`staleness.generation_staleness`, prefix-aware for resumed rollouts);
-  ``k * L_i`` is the part explained by its length, so only *unexplained*
-  generation staleness (server stalls, queueing before admission) counts;
-* ``k`` = ``versions_per_token`` if set, else estimated from the pool as
-  ``sum_i g_i / sum_i L_i`` over the candidate groups (a ratio of sums, so
-  the long rollouts that dominate the token count also set the reference);
+  (:func:`staleness.generation_staleness`, prefix-aware for resumed rollouts,
+  less the versions it spent waiting on tool calls);
+* ``a + k * L_i`` is the part a typical rollout of that length spans
+  (:func:`estimate_reference`), so only *unexplained* generation staleness
+  (server stalls, queueing before admission) counts;
+* ``k`` = ``versions_per_token`` if set; ``a`` = ``request_latency_versions``
+  if >= 0. Left to estimate (0 and -1, the defaults), both are fitted to the
+  candidate groups' members: ``k`` the median slope between members of
+  different lengths (Theil-Sen, clamped at 0), ``a`` the median of
+  ``g - k * L`` (clamped at 0): medians, so that the few stalled rollouts PACE
+  exists to find do not set the reference they are measured against. With
+  ``request_latency_versions = 0`` the reference is the length-only one of
+  the first version, ``k = sum g / sum L``;
 * ``generation_slack`` (versions) absorbs the discreteness of versions: any
   rollout, however short, may straddle one publish by bad luck.
 
@@ -65,8 +79,11 @@ import collections
 import dataclasses
 import logging
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from jax_dora.config.pace import ON_REJECT, PaceConfig  # noqa: F401  (re-exported)
 from jax_dora.orchestrator import staleness as staleness_lib
@@ -87,35 +104,85 @@ class GroupScore:
   dominant: str  # "waiting" | "generation": the larger weighted term
 
 
-def reference_versions_per_token(groups: Sequence[Group], config: PaceConfig) -> float:
-  """``k``: the configured rate, or ``sum g / sum L`` over ``groups``."""
-  if config.versions_per_token > 0:
-    return config.versions_per_token
-  gen = 0.0
-  tokens = 0
+@dataclasses.dataclass(frozen=True)
+class GenerationReference:
+  """The generation staleness a typical rollout of ``L`` sampled tokens spans:
+  ``latency + rate * L`` versions."""
+
+  latency: float  # ``a``: versions every request spans whatever its length
+  rate: float  # ``k``: versions per sampled token
+
+  def expected(self, tokens: int) -> float:
+    return self.latency + self.rate * tokens
+
+
+def _generation_points(groups: Sequence[Group]) -> tuple[list[float], list[float]]:
+  """``(L_i, g_i)`` of every member: sampled tokens and generation staleness (tool waits out)."""
+  lengths, gens = [], []
   for g in groups:
     for t in g:
-      gen += staleness_lib.generation_staleness(t) - staleness_lib.tool_wait_staleness(t)
-      tokens += t.num_sampled_tokens
-  return gen / tokens if tokens else 0.0
+      lengths.append(float(t.num_sampled_tokens))
+      gens.append(staleness_lib.generation_staleness(t) - staleness_lib.tool_wait_staleness(t))
+  return lengths, gens
+
+
+# Points the slope is taken over: ~0.5M pairs, ~10 ms on one core (a pool of 64 groups of
+# 16 is all of them).
+_MAX_SLOPE_POINTS = 1024
+
+
+def _median_pairwise_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+  """The Theil-Sen slope of ``y`` on ``x``: the median of the slopes between every two
+  points of different ``x`` (0 when there are none). A median, not least squares: the
+  stalled rollouts PACE looks for are outliers, and up to ~29% of them leave it where the
+  typical rollouts put it (one short rollout stalled for 6 versions among four on a line
+  turns a least-squares slope negative; tests/test_staleness_pace.py)."""
+  x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+  if len(x) > _MAX_SLOPE_POINTS:  # every n-th point: pairs grow as n^2
+    step = -(-len(x) // _MAX_SLOPE_POINTS)
+    x, y = x[::step], y[::step]
+  i, j = np.triu_indices(len(x), k=1)
+  keep = x[i] != x[j]
+  if not keep.any():
+    return 0.0
+  i, j = i[keep], j[keep]
+  return float(np.median((y[j] - y[i]) / (x[j] - x[i])))
+
+
+def estimate_reference(groups: Sequence[Group], config: PaceConfig) -> GenerationReference:
+  """``a + k * L`` for ``groups`` (the candidates): what is configured, the rest fitted
+  (module docstring)."""
+  lengths, gens = _generation_points(groups)
+  if config.request_latency_versions >= 0:
+    latency = config.request_latency_versions
+    if config.versions_per_token > 0:
+      return GenerationReference(latency, config.versions_per_token)
+    tokens = sum(lengths)
+    rate = (sum(gens) - latency * len(gens)) / tokens if tokens else 0.0
+    return GenerationReference(latency, max(0.0, rate))
+  if not lengths:
+    return GenerationReference(0.0, config.versions_per_token)
+  rate = config.versions_per_token or max(0.0, _median_pairwise_slope(lengths, gens))
+  latency = max(0.0, statistics.median(g - rate * n for n, g in zip(lengths, gens)))
+  return GenerationReference(latency, rate)
 
 
 def unexplained_generation_staleness(
-    traj: Trajectory, versions_per_token: float, slack: float
+    traj: Trajectory, reference: GenerationReference, slack: float
 ) -> float:
-  """Generation staleness beyond what the trajectory's length (and its tool calls) explain."""
+  """Generation staleness beyond what a rollout of the trajectory's length spans (its tool
+  calls' waits out)."""
   g = staleness_lib.generation_staleness(traj) - staleness_lib.tool_wait_staleness(traj)
-  return max(0.0, g - versions_per_token * traj.num_sampled_tokens - slack)
+  return max(0.0, g - reference.expected(traj.num_sampled_tokens) - slack)
 
 
 def score_group(
-    group: Group, current_version: int, config: PaceConfig, versions_per_token: float
+    group: Group, current_version: int, config: PaceConfig, reference: GenerationReference
 ) -> GroupScore:
   """The PACE score of one complete group (higher = rejected first)."""
   waiting = staleness_lib.group_waiting_staleness(group, current_version)
   unexplained = sum(
-      unexplained_generation_staleness(t, versions_per_token, config.generation_slack)
-      for t in group
+      unexplained_generation_staleness(t, reference, config.generation_slack) for t in group
   ) / len(group)
   w_term = config.waiting_weight * waiting
   g_term = config.generation_weight * unexplained
@@ -136,6 +203,7 @@ class PaceController:
     self.last_excess = 0
     self.total_rejected = 0
     self.calls = 0
+    self.last_reference = GenerationReference(0.0, 0.0)
     self.reasons: collections.Counter[str] = collections.Counter()
 
   def _advance(self, current_version: int) -> None:
@@ -193,9 +261,11 @@ class PaceController:
     n = max(0, min(budget - self._rejected_this_version, excess))
     if n == 0:
       return []
-    k = reference_versions_per_token(candidates, self.config)
+    ref = estimate_reference(candidates, self.config)
+    self.last_reference = ref
     scored = [
-        (score_group(g, current_version, self.config, k), i, g) for i, g in enumerate(candidates)
+        (score_group(g, current_version, self.config, ref), i, g)
+        for i, g in enumerate(candidates)
     ]
     scored.sort(key=lambda x: (-x[0].score, x[1]))
     out = []
@@ -206,9 +276,10 @@ class PaceController:
     self._rejected_this_version += n
     self.total_rejected += n
     log.info(
-        "PACE v%d: %d complete groups > target %d (excess %d), budget %d, rejecting %d %s",
-        current_version, len(candidates), self.config.target_pool_groups, excess, budget, n,
-        [(g[0].sample_id, round(sc, 2), r) for g, sc, r in out],
+        "PACE v%d: %d complete groups > target %d (excess %d), budget %d, reference"
+        " %.2f + %.4f/token, rejecting %d %s",
+        current_version, len(candidates), self.config.target_pool_groups, excess, budget,
+        ref.latency, ref.rate, n, [(g[0].sample_id, round(sc, 2), r) for g, sc, r in out],
     )
     return out
 
@@ -219,5 +290,9 @@ class PaceController:
         "pace_excess": self.last_excess,
         "pace_rejected_total": self.total_rejected,
         "pace_calls": self.calls,
+        # The generation reference of the last selection (a + k * L): what a rollout's
+        # latency and length were taken to explain.
+        "pace_reference_latency": self.last_reference.latency,
+        "pace_reference_versions_per_token": self.last_reference.rate,
         **{f"pace_reason/{k}": v for k, v in sorted(self.reasons.items())},
     }
