@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -227,3 +228,16 @@ def test_pace_records_by_hand(tmp_path):
   assert r["rejected_share"] == 0.5
   assert r["rejected_len_mean"] == 4.0 and r["trained_len_mean"] == 15.0
   assert r["staleness_mean"] == 1.5 and r["staleness_max"] == 2
+  assert math.isnan(r["wasted_frac"]) and math.isnan(r["reference_latency"])  # no metrics log
+  steps = [{"step": 1, "wasted_rollout_frac": 0.0, "pace": {"pace_calls": 0}},
+           {"step": 2, "wasted_rollout_frac": 0.1, "pace": {
+               "pace_calls": 3, "pace_reference_latency": 2.0,
+               "pace_reference_versions_per_token": 0.01}},
+           {"step": 3, "wasted_rollout_frac": 0.2, "pace": {
+               "pace_calls": 5, "pace_reference_latency": 4.0,
+               "pace_reference_versions_per_token": 0.03}},
+           {"summary": True}]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in steps) + "\n")
+  r = pace_records.run_records(tmp_path)
+  assert r["wasted_frac"] == 0.2  # the last step's running share
+  assert r["reference_latency"] == 3.0 and r["reference_rate"] == pytest.approx(0.02)
