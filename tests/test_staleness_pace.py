@@ -247,40 +247,43 @@ def test_unexplained_generation_staleness_is_penalised():
 
 
 def test_the_fitted_reference_by_hand():
-  """Four rollouts on the line g = 2 + 0.1 L and one of 10 tokens stalled for 9 versions.
-  Slopes between points of different lengths: six of 0.1 and, from the stalled one, -0.5,
-  -0.2, -0.1: median 0.1 (least squares would give -4/680, clamped to 0). Residuals
-  g - 0.1 L: 2, 2, 2, 2, 8: latency 2. The stalled group's unexplained staleness is
-  9 - (2 + 1) - slack 1 = 5, score 0.5 * 5 = 2.5; every other group's is 0."""
-  cfg = PaceConfig(target_pool_groups=4, gain=1.0, smoothing=0.0)
+  """Versions are whole numbers: three short rollouts (1 sampled token) span 3, two
+  long ones (101 tokens) 3 and one 6. Least squares over (L, g) = (1, 3) x3, (101, 3) x2,
+  (101, 6): mean L 51, mean g 3.5, Sxy = 3(-50)(-0.5) + 2(50)(-0.5) + 50(2.5) = 150,
+  Sxx = 6 * 2500 = 15000: k = 0.01 (a median of pairwise slopes would be 0: six of the nine
+  pairs of different lengths differ by 0 versions). Residuals g - 0.01 L: 2.99 x3, 1.99 x2,
+  4.99: a = median = 2.99. The 6-version long group keeps 6 - (2.99 + 1.01) - slack 1 = 1
+  version unexplained, score 0.5; every other group's is 0."""
+  cfg = PaceConfig(target_pool_groups=5, gain=1.0, smoothing=0.0)
   now = 20
   groups = [make_group(sid, 2, length=n, version=now - g, finish_version=now)
-            for sid, (n, g) in enumerate([(10, 3), (20, 4), (30, 5), (40, 6), (10, 9)])]
+            for sid, (n, g) in enumerate([(1, 3), (1, 3), (1, 3), (101, 3), (101, 3), (101, 6)])]
   assert estimate_reference(groups, cfg) == GenerationReference(
-      latency=pytest.approx(2.0), rate=pytest.approx(0.1))
+      latency=pytest.approx(2.99), rate=pytest.approx(0.01))
   ctl = PaceController(cfg)
   (g, score, reason), = ctl.select_rejections(groups, now)
-  assert g[0].sample_id == 4 and reason == "pace_generation"
-  assert score == pytest.approx(2.5)
+  assert g[0].sample_id == 5 and reason == "pace_generation"
+  assert score == pytest.approx(0.5)
   stats = ctl.stats()
-  assert stats["pace_reference_latency"] == pytest.approx(2.0)
-  assert stats["pace_reference_versions_per_token"] == pytest.approx(0.1)
+  assert stats["pace_reference_latency"] == pytest.approx(2.99)
+  assert stats["pace_reference_versions_per_token"] == pytest.approx(0.01)
   # Configured parts are taken as given; the rest is fitted around them.
-  # Residuals g - 0.2 L: 1, 0, -1, -2, 7 (two members each): median 0.
-  assert estimate_reference(groups, PaceConfig(versions_per_token=0.2)) == GenerationReference(
-      latency=pytest.approx(0.0), rate=0.2)
-  # The length-only reference: k = sum g / sum L = 2 * 27 / (2 * 110).
+  # Residuals g - 0.02 L: 2.98 x3, 0.98 x2, 3.98: median 2.98.
+  assert estimate_reference(groups, PaceConfig(versions_per_token=0.02)) == GenerationReference(
+      latency=pytest.approx(2.98), rate=0.02)
+  # The length-only reference: k = sum g / sum L = 21 / 306 (both members of each group).
   assert estimate_reference(groups, PaceConfig(request_latency_versions=0.0)) == \
-      GenerationReference(latency=0.0, rate=pytest.approx(27 / 110))
-  assert estimate_reference(groups, PaceConfig(request_latency_versions=1.0)) == \
-      GenerationReference(latency=1.0, rate=pytest.approx((27 - 5) / 110))
+      GenerationReference(latency=0.0, rate=pytest.approx(21 / 306))
+  assert estimate_reference(groups, PaceConfig(request_latency_versions=2.0)) == \
+      GenerationReference(latency=2.0, rate=pytest.approx((21 - 12) / 306))
 
 
 def test_a_rollouts_latency_does_not_make_short_groups_the_stalest():
   """The long-tail benchmark's situation (README, PACE's knobs): every rollout spans ~3
   versions of latency whatever its length. Three short groups (1 token, 3 versions) and two
   long ones (40 tokens, 5 versions), one long group waiting one version in the pool; one
-  group over target. Fitted: slope (5 - 3) / 39, latency 3 - 2/39, nobody's generation
+  group over target. Fitted: two lengths, so the least-squares line goes through both:
+  slope (5 - 3) / 39, latency 3 - 2/39, nobody's generation
   staleness unexplained: the group that waited goes. Length-only (k = 38/166 per token): a
   short group keeps 3 - 38/166 - 1 = 1.77 versions unexplained, scored 1.77 with
   generation_weight 1, above the waiting long group's 1.0: PACE rejects a short group."""
