@@ -115,13 +115,19 @@ class GenerationReference:
     return self.latency + self.rate * tokens
 
 
+def rollout_generation_staleness(traj: Trajectory) -> float:
+  """``g``: the trajectory's generation staleness less the versions it waited on tool calls
+  (time in the environment, not in generation: PACE explains it away)."""
+  return staleness_lib.generation_staleness(traj) - staleness_lib.tool_wait_staleness(traj)
+
+
 def _generation_points(groups: Sequence[Group]) -> tuple[list[float], list[float]]:
-  """``(L_i, g_i)`` of every member: sampled tokens and generation staleness (tool waits out)."""
+  """``(L_i, g_i)`` of every member: sampled tokens and :func:`rollout_generation_staleness`."""
   lengths, gens = [], []
   for g in groups:
     for t in g:
       lengths.append(float(t.num_sampled_tokens))
-      gens.append(staleness_lib.generation_staleness(t) - staleness_lib.tool_wait_staleness(t))
+      gens.append(rollout_generation_staleness(t))
   return lengths, gens
 
 
@@ -164,7 +170,7 @@ def unexplained_generation_staleness(
 ) -> float:
   """Generation staleness beyond what a rollout of the trajectory's length spans (its tool
   calls' waits out)."""
-  g = staleness_lib.generation_staleness(traj) - staleness_lib.tool_wait_staleness(traj)
+  g = rollout_generation_staleness(traj)
   return max(0.0, g - reference.expected(traj.num_sampled_tokens) - slack)
 
 
