@@ -39,7 +39,7 @@ BLOCKS = [f.name for f in dataclasses.fields(RunConfig)
 
 def test_the_blocks_are_the_ones_users_override():
   assert sorted(BLOCKS) == ["audit", "checkpoint", "data", "distributed", "eval", "learner", "metrics",
-                            "model", "orchestrator", "pace", "reward", "rollout", "snapshots", "tools"]
+                            "model", "orchestrator", "pace", "reward", "rollout", "sft", "snapshots", "tools"]
 
 
 @pytest.mark.parametrize("name", BLOCKS)

@@ -29,6 +29,7 @@ from jax_dora.config.pace import PaceConfig
 from jax_dora.config.reward import RewardConfig
 from jax_dora.config.rollout import LENGTH_MODES, RolloutConfig
 from jax_dora.config.run import RunConfig
+from jax_dora.config.sft import SftConfig
 from jax_dora.config.tools import ToolsConfig
 from jax_dora.csv_fields import split_csv
 from jax_dora.orchestrator.modes import MODES as _MODE_STRATEGIES
@@ -40,7 +41,7 @@ __all__ = [
     "AuditConfig", "CheckpointConfig", "ConfigBlock", "ConfigError", "DataConfig", "DistributedConfig",
     "EvalConfig", "LENGTH_MODES", "LearnerConfig", "MODES", "MetricsConfig", "ModelBlock",
     "OrchestratorConfig", "PaceConfig", "RewardConfig", "RolloutConfig", "RunConfig",
-    "SnapshotsConfig", "ToolsConfig", "base_config", "hf_model_config", "validate",
+    "SftConfig", "SnapshotsConfig", "ToolsConfig", "base_config", "hf_model_config", "validate",
 ]
 
 

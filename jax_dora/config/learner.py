@@ -19,6 +19,11 @@ class LearnerConfig(ConfigBlock):
 
   learning_rate: float = field(3e-3, "Peak AdamW learning rate.")
   warmup_steps: int = field(5, "Linear warm-up steps of the learning rate.")
+  lr_decay_steps: int = field(
+      0, "Cosine decay of the learning rate over this many steps after warm-up, to"
+      " lr_final_fraction of the peak (0 = constant after warm-up, RL's usual schedule; SFT"
+      " decays).")
+  lr_final_fraction: float = field(0.1, "Learning rate at the end of the cosine decay / peak.")
   moe_aux_loss_coef: float = field(
       -1.0, "MoE load-balancing loss coefficient (transformers' formula); -1 = the"
       " checkpoint's router_aux_loss_coef (model.router_aux_loss_coef).")
@@ -35,7 +40,8 @@ class LearnerConfig(ConfigBlock):
   loss: str = field(
       "grpo", "The objective (jax_dora.learner.losses): grpo (PPO clip of pi / pi_behaviour)"
       " | decoupled_ppo (AReaL: clip pi / pi_prox, weight pi_prox / pi_behaviour) | gspo"
-      " (sequence ratio) | cispo (clipped, detached IS weight on log pi).")
+      " (sequence ratio) | cispo (clipped, detached IS weight on log pi) | sft (cross-entropy"
+      " of the completion tokens: python -m jax_dora.sft).")
   clip_eps: float = field(0.2, "PPO clip, low side.")
   clip_eps_high: float = field(0.28, "PPO clip, high side (DAPO's clip-higher).")
   gspo_clip_eps: float = field(3e-4, "GSPO sequence-ratio clip, low side.")
@@ -113,6 +119,8 @@ class LearnerConfig(ConfigBlock):
       self.fail("moe_z_loss_coef", "must be >= 0")
     if self.groups_per_step < 1:
       self.fail("groups_per_step", "must be >= 1")
+    if self.lr_decay_steps < 0 or not 0 <= self.lr_final_fraction <= 1:
+      self.fail("lr_decay_steps", "needs lr_decay_steps >= 0 and lr_final_fraction in [0, 1]")
     for key, registry in (("loss", losses.OBJECTIVES), ("is_correction", losses.CORRECTIONS),
                           ("loss_aggregation", losses.AGGREGATIONS),
                           ("advantage_estimator", losses.ADVANTAGES)):

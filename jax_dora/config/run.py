@@ -16,6 +16,7 @@ from jax_dora.config.orchestrator import OrchestratorConfig
 from jax_dora.config.pace import PaceConfig
 from jax_dora.config.reward import RewardConfig
 from jax_dora.config.rollout import RolloutConfig
+from jax_dora.config.sft import SftConfig
 from jax_dora.config.tools import ToolsConfig
 from jax_dora.orchestrator.modes import MODES
 
@@ -65,6 +66,7 @@ class RunConfig(ConfigBlock):
   metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
   audit: AuditConfig = dataclasses.field(default_factory=AuditConfig)
+  sft: SftConfig = dataclasses.field(default_factory=SftConfig)
 
   def __post_init__(self):
     choice(self.BLOCK, "mode", self.mode, tuple(MODES))

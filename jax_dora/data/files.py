@@ -41,24 +41,34 @@ class DatasetError(ValueError):
 
 @dataclasses.dataclass
 class RecordTable:
-  """Validated records: ``table[i] -> {"text", "answer", "file", "row"}``."""
+  """Validated records: ``table[i] -> {"text", "answer", "target", "file", "row"}``.
+
+  ``answer`` is the ground truth the format extracts (GSM8K: what follows
+  ``####``); ``target`` is the answer field verbatim (GSM8K: the worked
+  solution), what supervised fine-tuning trains on.
+  """
 
   texts: list[str]
   answers: list[str]
   origins: list[tuple[int, int]]  # (index into files, 1-based row/line)
   files: list[str]
   skipped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+  targets: list[str] = dataclasses.field(default_factory=list)
+  # ``group_field``'s value of each row ("" without one): what eval metrics split by.
+  groups: list[str] = dataclasses.field(default_factory=list)
 
   def __len__(self) -> int:
     return len(self.texts)
 
   def __getitem__(self, i: int) -> dict[str, Any]:
     f, row = self.origins[i]
-    return {"text": self.texts[i], "answer": self.answers[i], "file": self.files[f], "row": row}
+    return {"text": self.texts[i], "answer": self.answers[i], "target": self.targets[i],
+            "group": self.groups[i], "file": self.files[f], "row": row}
 
   def select(self, indices: Sequence[int]) -> "RecordTable":
     return RecordTable([self.texts[i] for i in indices], [self.answers[i] for i in indices],
-                       [self.origins[i] for i in indices], self.files, collections.Counter(self.skipped))
+                       [self.origins[i] for i in indices], self.files, collections.Counter(self.skipped),
+                       [self.targets[i] for i in indices], [self.groups[i] for i in indices])
 
 
 def _rows(path: epath.Path, fmt: RecordFormat) -> Iterator[tuple[int, Any]]:
@@ -101,9 +111,12 @@ def _field(row: Any, name: str) -> str | None:
 
 
 def read_records(
-    paths: Sequence[str], fmt: RecordFormat, on_bad_row: str = "skip"
+    paths: Sequence[str], fmt: RecordFormat, on_bad_row: str = "skip", group_field: str = ""
 ) -> RecordTable:
   """Reads and validates every row of ``paths`` (see module doc for bad rows).
+
+  ``group_field``: a row field kept as ``table[i]["group"]`` (``"field=value"``;
+  ``""`` where the row lacks it), e.g. a difficulty level the eval splits by.
 
   Raises:
     DatasetError: a missing file, an unsupported type, a Parquet file without
@@ -144,6 +157,9 @@ def read_records(
         continue
       table.texts.append(text)
       table.answers.append(answer)
+      table.targets.append(answer_field)
+      value = row.get(group_field) if group_field else None
+      table.groups.append(f"{group_field}={value}" if value is not None else "")
       table.origins.append((fi, n))
       kept += 1
     if not kept:

@@ -56,13 +56,15 @@ class TrainState:
 
 
 def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
-  """AdamW with linear warmup and gradient clipping (standard RL-finetune recipe)."""
+  """AdamW with linear warmup, then constant (RL) or cosine decay (SFT), and gradient clipping."""
   warmup = max(cfg.warmup_steps, 1)
   schedule = optax.join_schedules(
       [
           # Start at lr / warmup, not 0, so the very first update moves the policy.
           optax.linear_schedule(cfg.learning_rate / warmup, cfg.learning_rate, warmup),
-          optax.constant_schedule(cfg.learning_rate),
+          (optax.cosine_decay_schedule(cfg.learning_rate, cfg.lr_decay_steps,
+                                       alpha=cfg.lr_final_fraction)
+           if cfg.lr_decay_steps > 0 else optax.constant_schedule(cfg.learning_rate)),
       ],
       [warmup],
   )

@@ -106,3 +106,17 @@ def cispo(x: ObjectiveInputs, s: LossSettings) -> ObjectiveOutput:
   per_token = -sg(jnp.minimum(ratio, hi)) * x.advantages * x.logprobs
   high = (ratio > hi).astype(jnp.float32)
   return ObjectiveOutput(per_token, ratio, jnp.zeros_like(high), high)
+
+
+@OBJECTIVES.register("sft")
+def sft(x: ObjectiveInputs, s: LossSettings) -> ObjectiveOutput:
+  """Supervised fine-tuning: ``-A log pi`` of the masked tokens (``python -m jax_dora.sft``).
+
+  With every advantage 1 and ``loss_aggregation=token_mean`` this is the
+  masked next-token cross-entropy of the completion tokens, computed by the
+  same learner step as RL (sharding, micro-batching, chunked log-probs). No
+  ratio exists: behaviour log-probs are not read, nothing is clipped.
+  """
+  del s
+  zeros = jnp.zeros_like(x.logprobs)
+  return ObjectiveOutput(-x.advantages * x.logprobs, jnp.ones_like(x.logprobs), zeros, zeros)
