@@ -23,12 +23,23 @@ def _num(v: Any, fmt: str = ".3f") -> str:
 
 
 def _eval_line(summary: dict[str, Any]) -> str:
+  """``reward before -> after (± se)``, then pass@1 before -> after and the other overall metrics.
+
+  Per-task / per-group metrics (``eval/<group>/...``) stay in the metrics log:
+  the line must fit a terminal.
+  """
   before, after = summary.get("initial_eval_reward"), summary.get("final_eval_reward")
   se = summary.get("final_eval_reward_stderr")
   line = f"{_num(before)} -> {_num(after)}" + (f" (± {se:.3f})" if se is not None else "")
-  final = summary.get("final_eval") or {}
-  extra = [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in final.items()
-           if k != "eval/reward" and not k.endswith("_stderr") and v is not None]
+  first, final = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
+  extra = []
+  for k, v in final.items():
+    name = k.removeprefix("eval/")
+    if k == "eval/reward" or "/" in name or k.endswith("_stderr") or v is None:
+      continue
+    start = first.get(k)
+    extra.append(f"{name} {start:.3f} -> {v:.3f}" if name == "pass@1" and start is not None
+                 else f"{name} {v:.3f}")
   return line + (f"; {', '.join(extra)}" if extra else "")
 
 

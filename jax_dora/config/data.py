@@ -46,6 +46,9 @@ class DataConfig(ConfigBlock):
   prompt_field: str = field("", "Override the format's prompt field (\"\" = the format's).")
   answer_field: str = field("", "Override the format's answer field.")
   on_bad_row: str = field("skip", "skip (logged count) | error.")
+  eval_group_field: str = field(
+      "", "Row field (e.g. difficulty) that splits the eval metrics: eval/<field>=<value>/pass@1"
+      " beside the overall ones (\"\" = none).")
   prompt_template: str = field(
       "raw", "How a prompt text becomes model input: raw text (the tiny model; base models) or"
       " the tokenizer's chat template.")

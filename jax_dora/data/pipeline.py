@@ -159,10 +159,10 @@ def _fits(table: RecordTable, tokenizer: Any, max_tokens: int | None) -> list[in
 def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileSplits:
   d = json.loads(key)
   fmt = get_format(d["format"], d["prompt_field"], d["answer_field"])
-  train = read_records(split_csv(d["train_files"], str), fmt, d["on_bad_row"])
+  train = read_records(split_csv(d["train_files"], str), fmt, d["on_bad_row"], d["eval_group_field"])
   skipped = collections.Counter(train.skipped)
   if d["eval_files"]:
-    evals = read_records(split_csv(d["eval_files"], str), fmt, d["on_bad_row"])
+    evals = read_records(split_csv(d["eval_files"], str), fmt, d["on_bad_row"], d["eval_group_field"])
     skipped.update(evals.skipped)
   else:
     keep, held = _split_heldout(train, fmt, d["heldout_fraction"])
@@ -188,7 +188,7 @@ def _load_file_splits(key: str, tokenizer: Any, max_tokens: int | None) -> FileS
 
 def _files_key(d: DataConfig) -> str:
   keys = ("train_files", "eval_files", "format", "prompt_field", "answer_field", "on_bad_row",
-          "heldout_fraction")
+          "heldout_fraction", "eval_group_field")
   return json.dumps({k: getattr(d, k) for k in keys}, sort_keys=True)
 
 
@@ -203,8 +203,11 @@ def load_file_splits(cfg: DataSource, tokenizer: Any = None) -> FileSplits:
 
 
 def _record_prompt(fmt: RecordFormat, sample_id: int, rec: dict[str, Any]) -> Prompt:
+  meta = {"file": rec["file"], "row": rec["row"]}
+  if rec["group"]:
+    meta["group"] = rec["group"]
   return Prompt(sample_id=int(sample_id), task=fmt.name, text=rec["text"], answer=rec["answer"],
-                meta={"file": rec["file"], "row": rec["row"]})
+                meta=meta)
 
 
 def make_prompt_dataset(cfg: DataSource, tokenizer: Any = None) -> grain.MapDataset:

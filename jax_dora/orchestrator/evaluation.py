@@ -115,19 +115,27 @@ class Evaluator:
 
   def _per_task(self, rewards: list[list[float]], answers: list[list[str]]
                 ) -> dict[str, float | None]:
-    """``eval/<task>/reward`` and ``eval/<task>/pass@1`` (+ stderr) when the prompts mix tasks.
+    """``eval/<group>/reward``, ``/pass@1`` (and ``/pass@k``, + stderr) per task or row group.
 
     A mixture's mean hides which task moved: a curriculum task learned fast
     can mask the task the run is for (the tool workload mixes ``repeat`` in).
+    Prompts of a file dataset split by ``data.eval_group_field`` (their
+    ``meta["group"]``, e.g. ``difficulty=3``) instead.
     """
-    tasks = sorted({p.task for p in self.prompts})
-    if len(tasks) < 2:
+    def group(p: Prompt) -> str:
+      return p.meta.get("group") or p.task
+
+    groups = sorted({group(p) for p in self.prompts})
+    if len(groups) < 2:
       return {}
     out: dict[str, float | None] = {}
-    for task in tasks:
-      rows = [i for i, p in enumerate(self.prompts) if p.task == task]
+    k = self.num_samples
+    names = ["reward", "pass@1"] + ([f"pass@{k}"] if k > 1 else [])
+    for g in groups:
+      rows = [i for i, p in enumerate(self.prompts) if group(p) == g]
       m = sample_metrics([rewards[i] for i in rows], [answers[i] for i in rows],
                          self.correct_threshold)
-      for name in ("reward", "reward_stderr", "pass@1", "pass@1_stderr"):
-        out[f"eval/{task}/{name}"] = m[name]
+      for name in names:
+        out[f"eval/{g}/{name}"] = m[name]
+        out[f"eval/{g}/{name}_stderr"] = m[f"{name}_stderr"]
     return out
