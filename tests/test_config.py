@@ -123,7 +123,7 @@ def test_dead_fields_are_gone():
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("loss", "ppo2", r"learner.loss='ppo2' is not one of \['cispo', 'decoupled_ppo', 'grpo', 'gspo'\]"),
+    ("loss", "ppo2", r"learner.loss='ppo2' is not one of \['cispo', 'decoupled_ppo', 'grpo', 'gspo', 'sft'\]"),
     ("is_correction", "clip", "is_correction='clip'"),
     ("loss_aggregation", "mean", "loss_aggregation='mean'"),
     ("advantage_estimator", "gae", "advantage_estimator='gae'"),

@@ -113,7 +113,7 @@ def test_project_registries_keep_their_messages():
                      r"'gsm8k', 'math', 'plain'\]"):
     get_format("csv")
   with pytest.raises(KeyError, match=r"unknown loss 'ppo2'; known losses: \['cispo', "
-                     r"'decoupled_ppo', 'grpo', 'gspo'\]"):
+                     r"'decoupled_ppo', 'grpo', 'gspo', 'sft'\]"):
     OBJECTIVES.get("ppo2")
   with pytest.raises(KeyError, match=r"unknown reward 'nope'; known rewards: \[.*'math_verify'"):
     get_reward("nope")
