@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -162,6 +163,7 @@ def main() -> None:
       run_dir = out / f"seed{seed}"
       s = train(seed, run_dir, a.budget_s, a.overrides)
       c = curve(run_dir, a.budget_s, a.every_s, a.eval_prompts, a.eval_samples)
+      shutil.rmtree(run_dir / "snapshots", ignore_errors=True)  # ~13 MB a version, all kept
       records = read_jsonl(run_dir / "metrics.jsonl")
       runs.append({"seed": seed, "curve": c, "steps": s["steps"],
                    "startup_s": s["process_seconds"] - s["wall_time_s"],

@@ -241,3 +241,26 @@ def test_pace_records_by_hand(tmp_path):
   r = pace_records.run_records(tmp_path)
   assert r["wasted_frac"] == 0.2  # the last step's running share
   assert r["reference_latency"] == 3.0 and r["reference_rate"] == pytest.approx(0.02)
+
+
+def test_rl_from_base_table_and_plot_by_hand(tmp_path, capsys):
+  """Two seeds' hand-made curves: the table's means/stds and each seed's rise, and the plot file."""
+  if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+  import rl_from_base  # pylint: disable=g-import-not-at-top
+
+  def run(seed, a, b):
+    return {"seed": seed, "steps": 10, "startup_s": 60.0, "bubble_ratio": 0.05,
+            "integrity_violations": 0,
+            "curve": [{"t": 0.0, "pass@1": a, "greedy_pass@1": a + 0.1},
+                      {"t": 60.0, "pass@1": b, "greedy_pass@1": b + 0.1}]}
+
+  result = {"runs": [run(0, 0.2, 0.3), run(1, 0.2, 0.4)], "eval_prompts": 8}
+  rl_from_base.table(result)
+  rl_from_base.plot(result, str(tmp_path / "curve.png"))
+  out = capsys.readouterr().out
+  # minute 1: pass@1 mean (0.3 + 0.4) / 2 = 0.35, population std 0.05; rises of 10 and 20 points.
+  assert "     1.0        0.350 ± 0.050        0.450 ± 0.050" in out
+  assert "seed 0: pass@1 0.200 -> 0.300 (+10.0 points)" in out
+  assert "seed 1: pass@1 0.200 -> 0.400 (+20.0 points)" in out
+  assert (tmp_path / "curve.png").stat().st_size > 0
