@@ -1,4 +1,4 @@
-"""The Colab demo notebook executes end to end on a reduced budget."""
+"""The Colab demo notebook (RL from the shipped base model) executes end to end on a reduced budget."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_colab_notebook_runs(tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_DORA_NOTEBOOK_BUDGET_S", "25")
   monkeypatch.setenv("JAX_DORA_NOTEBOOK_PRECOMPILE", "0")
+  monkeypatch.setenv("JAX_DORA_NOTEBOOK_EVAL_PROMPTS", "16")
   monkeypatch.setenv("JAX_DORA_NOTEBOOK_OUT", str(tmp_path))
   monkeypatch.setenv("MPLBACKEND", "Agg")
   nb = nbformat.read(ROOT / "colab" / "jax_dora_demo.ipynb", as_version=4)
@@ -24,6 +25,7 @@ def test_colab_notebook_runs(tmp_path, monkeypatch):
   )
   assert "dora_pace / sync throughput" in outputs
   assert "integrity violations: 0" in outputs
+  assert outputs.count("held-out pass@1") == 2  # RL from the shipped base model, both modes
   for mode in ("dora_pace", "sync"):
     assert (tmp_path / mode / "metrics.jsonl").stat().st_size > 0
 
