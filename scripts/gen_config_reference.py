@@ -35,6 +35,15 @@ def _load(path: pathlib.Path):
   return mod.get_config()
 
 
+def _portable(value):
+  """Paths inside this checkout as the checkout-relative path (the shipped base model's
+  ``model.hf_path`` is absolute so it works from any directory, but the page must not depend
+  on where the checkout is)."""
+  if isinstance(value, str) and value.startswith(str(ROOT) + "/"):
+    return value[len(str(ROOT)) + 1:]
+  return value
+
+
 def render() -> str:
   base = dict(_flatten(base_config()))
   docs = RunConfig.docs()
@@ -53,7 +62,7 @@ def render() -> str:
   for k, v in base.items():
     cells = []
     for o in overrides.values():
-      ov = o.get(k, v)
+      ov = _portable(o.get(k, v))
       cells.append("" if ov == v else f"`{ov!r}`")
     doc = docs.get(k, "").replace("|", "\\|")
     lines.append(f"| `{k}` | `{v!r}` | {doc} | " + " | ".join(cells) + " |")
