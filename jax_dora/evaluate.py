@@ -46,9 +46,18 @@ _NUM_SAMPLES = flags.DEFINE_integer("num_samples", None, "k samples per prompt (
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Held-out prompts (default: the run's"
                                     " eval.num_prompts).")
 _GREEDY = flags.DEFINE_boolean("greedy", None, "Argmax decoding (default: the run's eval.greedy).")
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "A config file (configs/*.py) whose model.hf_path is evaluated on its held-out"
-    " prompts, instead of --run_dir (--config.x=y overrides).", lock_config=False)
+# ``--config`` is defined by run(), the command line's entry, not at import: the library
+# functions here are imported beside other modules whose commands define a --config of their
+# own (jax_dora.rollout.server_main, jax_dora.train), and absl refuses a flag defined twice.
+_CONFIG = None
+
+
+def _define_config_flag() -> None:
+  global _CONFIG
+  if _CONFIG is None:
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", None, "A config file (configs/*.py) whose model.hf_path is evaluated on its"
+        " held-out prompts, instead of --run_dir (--config.x=y overrides).", lock_config=False)
 _GROUP_FIELD = flags.DEFINE_string("group_field", None, "Held-out row field that splits the"
                                    " metrics (data.eval_group_field), e.g. difficulty.")
 _OUT = flags.DEFINE_string("out", None, "Where the JSON result goes (default: in --run_dir).")
@@ -268,6 +277,7 @@ def run() -> None:
   from jax_dora.runtime import cpu_friendly_env  # pylint: disable=g-import-not-at-top
 
   cpu_friendly_env()
+  _define_config_flag()
   app.run(main)
 
 
