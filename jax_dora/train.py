@@ -22,7 +22,7 @@ if __name__ == "__main__" or os.environ.get("JAX_DORA_FORCE_HOST_DEVICES"):
 
   cpu_friendly_env()
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top
+from absl import app  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -33,31 +33,11 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from jax_dora.quiet import quiet_startup  # pylint: disable=g-import-not-at-top
-
-  verbosity = flags.FLAGS["verbosity"].value if flags.FLAGS["verbosity"].present else None
-  quiet_startup(verbose=verbosity is not None and verbosity >= 1)
-  from jax_dora.compile_cache import setup_compile_cache  # pylint: disable=g-import-not-at-top
-  from jax_dora.config import ConfigError  # pylint: disable=g-import-not-at-top
-  from jax_dora.data import DatasetError  # pylint: disable=g-import-not-at-top
-  from jax_dora.model.families import UnsupportedCheckpointError  # pylint: disable=g-import-not-at-top
-  from jax_dora.model.hf_checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
-  from jax_dora.model.hf_tokenizer import TokenizerLoadError  # pylint: disable=g-import-not-at-top
-  from jax_dora.runtime import configure_logging, run_training  # pylint: disable=g-import-not-at-top
+  from jax_dora.command import run_config_command  # pylint: disable=g-import-not-at-top
+  from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
   from jax_dora.summary import finish_run  # pylint: disable=g-import-not-at-top
 
-  configure_logging(verbosity, progress_bar=_CONFIG.value.progress_bar)
-  # Before anything compiles: a second start loads the programs from disk.
-  setup_compile_cache(_CONFIG.value.compile_cache_dir)
-  try:
-    summary = run_training(_CONFIG.value)
-  except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    sys.exit(2)
-  except (CheckpointError, UnsupportedCheckpointError, TokenizerLoadError, DatasetError) as e:
-    # Bad input files: the message names the file; a traceback would bury it.
-    print(f"input error: {e}", file=sys.stderr)
-    sys.exit(2)
+  summary = run_config_command(_CONFIG.value, run_training)
   if summary.get("role") != "learner-follower":
     print(finish_run(summary), flush=True)
   if summary["integrity_violations"]:
