@@ -94,7 +94,7 @@ def _eval_config(raw, *, num_samples: int | None, num_prompts: int | None, greed
   """The typed config of an evaluation: embedded servers, the eval overrides applied."""
   from jax_dora.config import validate  # pylint: disable=g-import-not-at-top
 
-  raw = raw.copy_and_resolve_references() if hasattr(raw, "copy_and_resolve_references") else raw
+  raw = raw.copy_and_resolve_references()  # the caller's (possibly locked) config is left as it is
   raw.unlock()
   raw.role, raw.rollout.server_addresses = "all", ""  # its own embedded servers
   for key, value in (("num_samples", num_samples), ("num_prompts", num_prompts),

@@ -165,18 +165,22 @@ class SftRun:
                       dynamic_ncols=True, unit="step")
     history: list[dict[str, Any]] = []
 
-    async def main() -> dict[str, Any]:
+    async def evaluate_into(rec: dict[str, Any]) -> dict[str, Any]:
+      """Adds the held-out metrics at ``rec["step"]`` to ``rec``, logs and keeps it."""
       dispatcher = rollout.dispatcher if rollout is not None else None
+      rec.update(await self._evaluate(held, dispatcher, rec["step"]))
+      self._log_eval(rec)
+      history.append(rec)
+      return rec
+
+    async def main() -> dict[str, Any]:
       learner = self.learner
       start, tokens_trained = time.time(), 0
       window = {"t": time.time(), "tokens": 0}
       first = learner.step
       try:
         if cfg.eval.at_start and first == 0:
-          rec = {"step": 0, **await self._evaluate(held, dispatcher, 0)}
-          metrics.write(rec)
-          history.append(rec)
-          self._log_eval(rec)
+          metrics.write(await evaluate_into({"step": 0}))
         while learner.step < cfg.total_steps:
           if cfg.max_wall_time_s and time.time() - start > cfg.max_wall_time_s:
             log.info("stopping at step %d: max_wall_time_s=%s reached", learner.step,
@@ -201,9 +205,7 @@ class SftRun:
             log.info("step %d: loss %.4f, grad norm %.3f, %.0f target tok/s", step,
                      rec["sft/loss"], rec["sft/grad_norm"], rec["sft/target_tokens_per_s"])
           if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or last:
-            rec.update(await self._evaluate(held, dispatcher, step))
-            self._log_eval(rec)
-            history.append(rec)
+            await evaluate_into(rec)
           metrics.write(rec)
           if progress is not None:
             progress.update(1)
@@ -211,10 +213,7 @@ class SftRun:
           if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or last:
             self._checkpoint(metrics)
         if learner.step != (history[-1]["step"] if history else -1):
-          rec = {"step": learner.step, **await self._evaluate(held, dispatcher, learner.step)}
-          metrics.write(rec)
-          history.append(rec)
-          self._log_eval(rec)
+          metrics.write(await evaluate_into({"step": learner.step}))
           self._checkpoint(metrics)
       finally:
         if rollout is not None:
