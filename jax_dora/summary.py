@@ -22,25 +22,38 @@ def _num(v: Any, fmt: str = ".3f") -> str:
   return "-" if v is None else format(v, fmt)
 
 
-def _eval_line(summary: dict[str, Any]) -> str:
-  """``reward before -> after (± se)``, then pass@1 before -> after and the other overall metrics.
+def _binary_reward(first: dict[str, Any], final: dict[str, Any]) -> bool:
+  """Whether the eval reward is pass@1 itself (a 0/1 reward such as ``math_verify``)."""
+  pairs = [(d.get("eval/reward"), d.get("eval/pass@1")) for d in (first, final) if d]
+  return bool(pairs) and all(r is not None and p is not None and abs(r - p) < 1e-9
+                             for r, p in pairs)
 
-  Per-task / per-group metrics (``eval/<group>/...``) stay in the metrics log:
-  the line must fit a terminal.
+
+def _eval_line(summary: dict[str, Any]) -> tuple[str, str]:
+  """The eval line's label and text: before -> after (± se), then the other overall metrics.
+
+  With a 0/1 reward the reward *is* pass@1, so the line is labelled
+  ``held-out pass@1`` and says it once; a shaped reward keeps ``eval reward``
+  with pass@1 before -> after beside it. Per-task / per-group metrics
+  (``eval/<group>/...``) stay in the metrics log: the line must fit a terminal.
   """
   before, after = summary.get("initial_eval_reward"), summary.get("final_eval_reward")
   se = summary.get("final_eval_reward_stderr")
   line = f"{_num(before)} -> {_num(after)}" + (f" (± {se:.3f})" if se is not None else "")
   first, final = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
+  binary = _binary_reward(first, final)
   extra = []
   for k, v in final.items():
     name = k.removeprefix("eval/")
     if k == "eval/reward" or "/" in name or k.endswith("_stderr") or v is None:
       continue
+    if binary and name == "pass@1":
+      continue
     start = first.get(k)
     extra.append(f"{name} {start:.3f} -> {v:.3f}" if name == "pass@1" and start is not None
                  else f"{name} {v:.3f}")
-  return line + (f"; {', '.join(extra)}" if extra else "")
+  return ("held-out pass@1" if binary else "eval reward",
+          line + (f"; {', '.join(extra)}" if extra else ""))
 
 
 def format_summary(summary: dict[str, Any], records: list[dict[str, Any]],
@@ -64,6 +77,7 @@ def format_summary(summary: dict[str, Any], records: list[dict[str, Any]],
   if checked:
     verdict += "\n                   checked: " + ", ".join(checked)
   rejected = summary.get("rejected_groups") or {}
+  eval_label, eval_text = _eval_line(summary)
   lines = [
       (f"== {summary.get('mode')}: {summary.get('steps')} steps in"
        f" {summary.get('wall_time_s', 0.0):.0f}s =="),
@@ -73,8 +87,9 @@ def format_summary(summary: dict[str, Any], records: list[dict[str, Any]],
        f"/{h.get('staleness_generation_p99', '-')}, waiting {h.get('staleness_waiting_p50', '-')}"
        f"/{h.get('staleness_waiting_p99', '-')} (versions)"),
       (f"rejected groups    PACE {h.get('pace_rejected_groups', 0)}, stale"
-       f" {rejected.get('stale', 0)}, zero-variance {rejected.get('zero_variance', 0)}"),
-      f"eval reward        {_eval_line(summary)}",
+       f" {rejected.get('stale', 0)}, zero-variance {rejected.get('zero_variance', 0)}"
+       + (f" (trained {summary['trained_groups']})" if summary.get("trained_groups") else "")),
+      f"{eval_label:<19}{eval_text}",
       f"integrity          {verdict}",
       f"metrics            {summary.get('metrics_path', '-')}",
   ]

@@ -172,6 +172,7 @@ class Orchestrator:
     self._bg_tasks: set[asyncio.Task] = set()
     self._t0 = time.time()
     self._trained_tokens = 0
+    self._trained_groups = 0
     self._generated_tokens = 0
     # Completion tokens of groups that left without training (stale, PACE,
     # zero variance): rollout work the learner never used.
@@ -432,6 +433,7 @@ class Orchestrator:
     for g in groups:
       self._outstanding.pop(g[0].sample_id, None)
     self._trained_tokens += int(sum(t.num_sampled_tokens for t in trajs))
+    self._trained_groups += len(groups)
     self._last_trained = trajs
 
     t0 = time.time()
@@ -679,6 +681,8 @@ class Orchestrator:
         "wall_time_s": elapsed,
         "trained_tokens": self._trained_tokens,
         "trained_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
+        # GRPO groups trained by this incarnation (what rejected_groups is a share of).
+        "trained_groups": self._trained_groups,
         "initial_eval_reward": initial_eval,
         "final_eval_reward": final_eval,
         "final_eval_reward_stderr": self.evaluator.last_stderr,
