@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,30 @@ def evaluate(run_dir: pathlib.Path, versions: list[int], num_prompts: int, sampl
   return {o["step"]: o for o in json.loads(out.read_text())}
 
 
+_WORKED_LINE = re.compile(r"^\d+ [-+*/] \d+ = (\d+)$")
+_ANSWER_LINE = re.compile(r"^#### (\S+)$")
+
+
+def miscopied_share(completions: list[str]) -> float | None:
+  """Share of completions whose ``#### N`` is not the result of their own last worked line.
+
+  The base model's SFT teacher miscopied 40% of its answer lines
+  (``jax_dora.data.word_problems``); this measures the habit in the policy's
+  own samples, read off their text, whatever the arithmetic before it.
+  Completions without both lines are not counted; None if none has them.
+  """
+  counted = miscopied = 0
+  for text in completions:
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    if len(lines) < 2:
+      continue
+    worked, answer = _WORKED_LINE.match(lines[-2]), _ANSWER_LINE.match(lines[-1])
+    if worked and answer:
+      counted += 1
+      miscopied += worked.group(1) != answer.group(1)
+  return miscopied / counted if counted else None
+
+
 def curve(run_dir: pathlib.Path, budget_s: float, every_s: float, num_prompts: int,
           samples: int) -> list[dict]:
   recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -94,18 +119,22 @@ def curve(run_dir: pathlib.Path, budget_s: float, every_s: float, num_prompts: i
   greedy = evaluate(run_dir, versions, num_prompts, 1, greedy=True)
   return [{"t": t, "version": v, "pass@1": sampled[v]["eval/pass@1"],
            f"pass@{samples}": sampled[v].get(f"eval/pass@{samples}"),
+           "miscopied": miscopied_share([o["completion"] for o in sampled[v]["samples"]]),
            "greedy_pass@1": greedy[v]["eval/pass@1"]} for t, v in points]
 
 
 def table(result: dict) -> None:
   runs = result["runs"]
   ts = [p["t"] for p in runs[0]["curve"]]
-  print(f"\n{'minutes':>8}{'pass@1 (t=1)':>20}{'greedy pass@1':>20}   (mean ± std over"
-        f" {len(runs)} seed(s))")
+  print(f"\n{'minutes':>8}{'pass@1 (t=1)':>20}{'greedy pass@1':>20}{'miscopied (t=1)':>20}"
+        f"   (mean ± std over {len(runs)} seed(s))")
   for i, t in enumerate(ts):
     a = np.array([r["curve"][i]["pass@1"] for r in runs])
     g = np.array([r["curve"][i]["greedy_pass@1"] for r in runs])
-    print(f"{t / 60:>8.1f}{a.mean():>13.3f} ± {a.std():.3f}{g.mean():>13.3f} ± {g.std():.3f}")
+    m = np.array([r["curve"][i].get("miscopied") for r in runs], dtype=float)
+    print(f"{t / 60:>8.1f}{a.mean():>13.3f} ± {a.std():.3f}{g.mean():>13.3f} ± {g.std():.3f}"
+          f"{np.nanmean(m) if not np.isnan(m).all() else float('nan'):>13.3f} ±"
+          f" {np.nanstd(m) if not np.isnan(m).all() else float('nan'):.3f}")
   for r in runs:
     c = r["curve"]
     print(f"seed {r['seed']}: pass@1 {c[0]['pass@1']:.3f} -> {c[-1]['pass@1']:.3f}"

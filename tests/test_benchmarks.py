@@ -252,15 +252,33 @@ def test_rl_from_base_table_and_plot_by_hand(tmp_path, capsys):
   def run(seed, a, b):
     return {"seed": seed, "steps": 10, "startup_s": 60.0, "bubble_ratio": 0.05,
             "integrity_violations": 0,
-            "curve": [{"t": 0.0, "pass@1": a, "greedy_pass@1": a + 0.1},
-                      {"t": 60.0, "pass@1": b, "greedy_pass@1": b + 0.1}]}
+            "curve": [{"t": 0.0, "pass@1": a, "greedy_pass@1": a + 0.1, "miscopied": 0.4},
+                      {"t": 60.0, "pass@1": b, "greedy_pass@1": b + 0.1,
+                       "miscopied": 0.1 * (seed + 1)}]}
 
   result = {"runs": [run(0, 0.2, 0.3), run(1, 0.2, 0.4)], "eval_prompts": 8}
   rl_from_base.table(result)
   rl_from_base.plot(result, str(tmp_path / "curve.png"))
   out = capsys.readouterr().out
   # minute 1: pass@1 mean (0.3 + 0.4) / 2 = 0.35, population std 0.05; rises of 10 and 20 points.
-  assert "     1.0        0.350 ± 0.050        0.450 ± 0.050" in out
+  # miscopied share at minute 1: seeds 0.1 and 0.2, mean 0.15, std 0.05.
+  assert "     1.0        0.350 ± 0.050        0.450 ± 0.050        0.150 ± 0.050" in out
   assert "seed 0: pass@1 0.200 -> 0.300 (+10.0 points)" in out
   assert "seed 1: pass@1 0.200 -> 0.400 (+20.0 points)" in out
   assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_miscopied_share_reads_the_answer_line_against_the_last_worked_line():
+  if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+  import rl_from_base  # pylint: disable=g-import-not-at-top
+
+  completions = [
+      "12 + 5 = 17\n#### 17",            # copied right (wrong arithmetic would not matter)
+      "12 + 5 = 18\n18 * 2 = 36\n#### 18",  # miscopied: an operand of the last line
+      "12 + 5 = 17\n#### 5",             # miscopied
+      "#### 17",                          # no worked line: not counted
+      "12 + 5 = 17",                      # no answer line: not counted
+  ]
+  assert rl_from_base.miscopied_share(completions) == 2 / 3
+  assert rl_from_base.miscopied_share(["no lines"]) is None
