@@ -62,6 +62,30 @@ def test_every_answer_is_what_the_question_says():
   assert sorted({p.difficulty for p in problems}) == [1, 2, 3, 4, 5, 6]
 
 
+def test_the_noisy_teacher_miscopies_only_the_answer_line():
+  """miscopy_rate: that share of rows ends with an operand of the last line, the work intact."""
+  clean = list(wp.generate(2000, seed=5, heldout=False))
+  noisy = list(wp.generate(2000, seed=5, heldout=False, miscopy_rate=0.4))
+  assert [p.question for p in noisy] == [p.question for p in clean]  # same questions
+  miscopied = 0
+  for c, n in zip(clean, noisy):
+    work_c, work_n = c.answer.split("\n")[:-1], n.answer.split("\n")[:-1]
+    assert work_n == work_c  # every worked line is the clean one
+    said = int(hash_answer(n.answer))
+    if said != _solve_from_text(n.question):
+      miscopied += 1
+      a, _, b, _, _ = work_n[-1].split()  # the slip copies a number of the last line
+      assert said in (int(a), int(b))
+  # 40% of rows drawn for a slip (binomial std over 2000 rows: 1.1 points).
+  assert 0.36 < miscopied / len(noisy) < 0.44, miscopied
+  # Hand-checked row: "596 - 14 = 582" can end "#### 596" or "#### 14", never "#### 582".
+  p = wp.WordProblem("q", "67 * 3 = 201\n201 - 52 = 149\n149 * 4 = 596\n596 - 14 = 582\n#### 582",
+                     4, 582)
+  assert wp.miscopied_answers(p) == [14, 596]
+  with pytest.raises(ValueError, match="miscopy_rate"):
+    next(wp.generate(1, seed=0, heldout=False, miscopy_rate=0.5))
+
+
 def test_hand_worked_problem():
   """One problem solved by hand: the format a row has on disk."""
   rng = np.random.default_rng([0, 2])

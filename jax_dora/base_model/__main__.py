@@ -1,6 +1,6 @@
 """``python -m jax_dora.base_model``: the word problems, the tokenizer and the initial checkpoint.
 
-The first half of the recipe of the shipped base model (``models/``); the
+The first half of the recipe of the shipped base model (``jax_dora/base_model``); the
 second is ``python -m jax_dora.sft --config=configs/base_model_sft.py``.
 Deterministic: the same command writes the same files (the data is a function
 of its seeds, BPE training is deterministic on the same corpus, the random

@@ -1,7 +1,7 @@
 """Arithmetic word problems in GSM8K's format: the corpus of the project's own base model.
 
 Nothing can be downloaded where jax-dora is built and tested, so the small
-pretrained policy that RL starts from (``models/``, issue 36) is made the way
+pretrained policy that RL starts from (``jax_dora/base_model``, issue 36) is made the way
 users make one: supervised fine-tuning on worked solutions. This module writes
 those solutions. A row is GSM8K-shaped, so the RL side reads it with the
 existing ``gsm8k`` format and the ``math_verify`` reward::
@@ -22,6 +22,13 @@ existing ``gsm8k`` format and the ``math_verify`` reward::
   range (the data pipeline's own rule, ``jax_dora.data.pipeline``); training
   rows are drawn outside it and held-out rows inside it. Within a file,
   duplicate questions are dropped.
+* A noisy teacher (``miscopy_rate``, 40% in the SFT corpus): some answers end
+  with a number copied from the wrong place (an operand of the last line)
+  while the worked lines stay right. The base model learns the habit some of
+  the time, greedy decoding mostly not (the right answer stays the most
+  common continuation): a flaw that is measurable and that RL should remove,
+  like the careless-answer noise of real corpora. The RL prompts and the
+  held-out answers are clean.
 * Deterministic: row ``i`` of a split is a pure function of ``(seed, i)``
   (``np.random.default_rng([seed, i])``), so a file regenerates bit for bit.
 
@@ -155,19 +162,50 @@ def make_problem(rng: np.random.Generator, difficulty: int) -> WordProblem:
   return WordProblem(" ".join(sentences), answer, difficulty, total)
 
 
+def miscopied_answers(problem: WordProblem) -> list[int]:
+  """The wrong numbers a careless teacher writes after ``####``: the last line's operands.
+
+  Each is a number the worked solution wrote down (so the slip looks like
+  copying from the wrong place), never the result itself.
+  """
+  last = problem.answer.splitlines()[-2]  # "a op b = c"
+  a, _, b, _, _ = last.split()
+  return sorted({int(a), int(b)} - {problem.result})
+
+
+def with_miscopied_answer(problem: WordProblem, rng: np.random.Generator) -> WordProblem:
+  """``problem`` whose ``#### N`` line names one of :func:`miscopied_answers` instead.
+
+  The worked lines stay right: only the final answer is copied wrongly.
+  """
+  choices = miscopied_answers(problem)
+  if not choices:
+    return problem
+  wrong = int(choices[int(rng.integers(len(choices)))])
+  lines = problem.answer.splitlines()[:-1] + [f"#### {wrong}"]
+  return dataclasses.replace(problem, answer="\n".join(lines))
+
+
 def difficulty_of(index: int, difficulties: Sequence[int]) -> int:
   """Row ``index``'s difficulty: the mix cycles, so every prefix of a file is balanced."""
   return int(difficulties[index % len(difficulties)])
 
 
 def generate(n: int, seed: int, *, heldout: bool, difficulties: Sequence[int] = tuple(
-    range(MIN_DIFFICULTY, MAX_DIFFICULTY + 1)), heldout_fraction: float = HELDOUT_FRACTION
-             ) -> Iterator[WordProblem]:
+    range(MIN_DIFFICULTY, MAX_DIFFICULTY + 1)), heldout_fraction: float = HELDOUT_FRACTION,
+             miscopy_rate: float = 0.0) -> Iterator[WordProblem]:
   """``n`` distinct problems on one side of the held-out split.
 
   Row ``i`` draws from ``default_rng([seed, i])`` until it lands on the
-  requested side of the split with a question not yet in this file.
+  requested side of the split with a question not yet in this file. With
+  ``miscopy_rate`` > 0 that fraction of rows (drawn from a second stream,
+  ``default_rng([seed, i, 1])``, so the questions are those of the clean file)
+  ends with a miscopied ``#### N`` (:func:`with_miscopied_answer`): a noisy
+  teacher, whose habit the SFT model picks up some of the time.
   """
+  if not 0.0 <= miscopy_rate < 0.5:
+    raise ValueError(f"miscopy_rate must be in [0, 0.5) so the right answer stays the most"
+                     f" common one; got {miscopy_rate}")
   seen: set[str] = set()
   for i in range(n):
     rng = np.random.default_rng([seed, i])
@@ -180,7 +218,8 @@ def generate(n: int, seed: int, *, heldout: bool, difficulties: Sequence[int] = 
       raise RuntimeError(f"row {i}: no new {'held-out' if heldout else 'training'} problem of"
                          f" difficulty {d} in {_MAX_DRAWS} draws")
     seen.add(p.question)
-    yield p
+    noise = np.random.default_rng([seed, i, 1])
+    yield with_miscopied_answer(p, noise) if noise.random() < miscopy_rate else p
 
 
 def write_jsonl(path: str, problems: Iterator[WordProblem]) -> int:
@@ -199,8 +238,11 @@ def write_jsonl(path: str, problems: Iterator[WordProblem]) -> int:
 # The files the shipped base model and configs/tiny_math.py use (seeds fixed
 # here so `python -m jax_dora.data.word_problems` reproduces them).
 SPLITS = {
-    # SFT corpus of the base model (not committed: regenerate it with the command).
-    "sft_train.jsonl": dict(n=60_000, seed=0, heldout=False),
+    # SFT corpus of the base model (not committed: regenerate it with the command). A noisy
+    # teacher: 40% of its answers end with a miscopied number (the worked lines stay right),
+    # a habit the base model learns some of the time and RL should remove (README, "A policy
+    # with a prior").
+    "sft_train.jsonl": dict(n=60_000, seed=0, heldout=False, miscopy_rate=0.4),
     # RL prompts: other questions than SFT's (another seed), still outside the held-out hashes.
     "rl_train.jsonl": dict(n=4_000, seed=1, heldout=False),
     # Held-out evaluation: disjoint by text from every training file.
