@@ -261,7 +261,7 @@ def main(argv: list[str]) -> None:
   if _STEPS.value:
     path = _OUT.value or os.path.join(_RUN_DIR.value, "eval_steps.json")
     with open(path, "w") as f:
-      json.dump([{k: v for k, v in o.items() if k != "samples"} for o in outs], f, indent=1)
+      json.dump(outs, f, indent=1)  # with every completion, as --step and --config write
     for o in outs:
       print(f"version {o['step']}: mean reward {o.get('eval/reward', float('nan')):.3f}")
     print(path)
