@@ -1,8 +1,9 @@
-"""Tiny CPU config: the README's main job and the tests' starting point.
+"""Tiny CPU config: a 2-layer character policy trained from scratch, the tests' starting point.
 
 Usage: python -m jax_dora.train --config=configs/tiny.py
-Runs dora_pace, the system's point; the synchronous baseline is one override
-away: --config.mode=sync.
+Runs dora_pace on toy string tasks in about a minute; the fast tests start
+here. The README's main job is RL from the shipped pretrained base model,
+``configs/tiny_math.py``.
 """
 
 from jax_dora.config import base_config

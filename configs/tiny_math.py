@@ -5,7 +5,8 @@ decoder with its own BPE, SFT-trained by ``configs/base_model_sft.py``) solves
 some held-out problems and can sometimes solve more (pass@8 well above pass@1),
 which is what RL sharpens. Everything here is the real-model path: the HF
 checkpoint import, the tokenizer's ChatML template, ``math_verify`` on the
-``#### N`` answer, and an HF export at the end.
+``#### N`` answer; ``python -m jax_dora.export --run_dir=runs/tiny_math`` writes
+the trained policy back as an HF checkpoint.
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""Main entry point: ``python -m jax_dora.train --config=configs/tiny.py``.
+"""Main entry point: ``python -m jax_dora.train --config=configs/tiny_math.py`` (the default).
 
 Any field can be overridden with ``--config.<path>=<value>``; unknown keys
 are rejected by ml_collections before anything starts.
@@ -26,7 +26,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/tiny.py", "Path to a config file (configs/*.py).", lock_config=True
+    "config", "configs/tiny_math.py", "Path to a config file (configs/*.py).", lock_config=True
 )
 
 
