@@ -169,6 +169,15 @@ def plot(result: dict, path: str) -> None:
     ts = [p["t"] / 60 for p in result["runs"][0]["curve"]]
     mean = np.mean([[p[key] for p in r["curve"]] for r in result["runs"]], axis=0)
     ax.plot(ts, mean, color=color, lw=2.2, label=f"{label} (mean of {len(result['runs'])} seeds)")
+  if all(p.get("miscopied") is not None for r in result["runs"] for p in r["curve"]):
+    twin = ax.twinx()  # the base's planted habit, read off the same samples
+    ts = [p["t"] / 60 for p in result["runs"][0]["curve"]]
+    mean = np.mean([[p["miscopied"] for p in r["curve"]] for r in result["runs"]], axis=0)
+    twin.plot(ts, mean, color="0.45", ls="--", lw=1.6,
+              label="samples miscopying their answer line (right axis)")
+    twin.set_ylim(0, 1)
+    twin.set_ylabel("miscopied share, temperature 1")
+    twin.legend(loc="center right", fontsize=8)
   ax.set_xlabel("training wall clock (minutes, 2-core CPU)")
   ax.set_ylabel(f"held-out pass@1 ({result['eval_prompts']} problems)")
   ax.set_title("dora_pace RL from the shipped base model (configs/tiny_math.py)")
