@@ -6,7 +6,7 @@ Recipe (the 2-core CPU; timings in the README, "The base model")::
   python -m jax_dora.sft --config=configs/base_model_sft.py   # SFT; exports runs/base_model/sft/hf
 
 then copy ``runs/base_model/sft/hf`` to ``jax_dora/base_model/jax-dora-math-base``
-(about 20 minutes in all on the 2-core CPU). A
+(about 22 minutes in all on the 2-core CPU). A
 Qwen3-architecture decoder (``jax_dora.base_model.init.ARCHITECTURE``) with
 its own byte-level BPE learns worked solutions of the generated word problems
 (``jax_dora.data.word_problems``): greedy accuracy is logged on held-out
