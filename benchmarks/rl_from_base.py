@@ -53,6 +53,11 @@ def _env() -> dict[str, str]:
   return env
 
 
+def cold_cache_dir(run_dir: pathlib.Path) -> pathlib.Path:
+  """The compilation cache a cold-started run of ``run_dir`` fills (deleted after its curve)."""
+  return run_dir.parent / f"{run_dir.name}_xla_cache"
+
+
 def train(seed: int, out: pathlib.Path, budget_s: float, overrides: list[str],
           cold_cache: bool = True) -> dict:
   """One ``jax_dora.train`` run of ``CONFIG`` for ``budget_s`` seconds; returns its summary.
@@ -62,7 +67,7 @@ def train(seed: int, out: pathlib.Path, budget_s: float, overrides: list[str],
   first run on a fresh machine pays.
   """
   if cold_cache:
-    cache = out.parent / f"{out.name}_xla_cache"
+    cache = cold_cache_dir(out)
     shutil.rmtree(cache, ignore_errors=True)
     overrides = [f"--config.compile_cache_dir={cache}", *overrides]
   cmd = [sys.executable, "-m", "jax_dora.train", f"--config={CONFIG}",
@@ -214,7 +219,7 @@ def main() -> None:
       s = train(seed, run_dir, a.budget_s, a.overrides, cold_cache=not a.warm_cache)
       c = curve(run_dir, a.budget_s, a.every_s, a.eval_prompts, a.eval_samples)
       shutil.rmtree(run_dir / "snapshots", ignore_errors=True)  # ~13 MB a version, all kept
-      shutil.rmtree(out / f"{run_dir.name}_xla_cache", ignore_errors=True)
+      shutil.rmtree(cold_cache_dir(run_dir), ignore_errors=True)
       records = read_jsonl(run_dir / "metrics.jsonl")
       runs.append({"seed": seed, "curve": c, "steps": s["steps"],
                    "startup_s": s["process_seconds"] - s["wall_time_s"],
