@@ -131,9 +131,22 @@ def plot_runs(run_dirs: Sequence[str], out_png: str) -> list[tuple[str, list, di
   return runs
 
 
+def _mean_curve(curves: list[list[dict]], x_key: str) -> tuple[list[float], list[list[float]]]:
+  """Per scheduled point (the shortest seed sets how many): the seeds' mean x (``t`` is the same
+  for every seed; ``trained_samples`` is not) and every seed's reward."""
+  n = min(len(c) for c in curves)
+  return ([sum(c[k][x_key] for c in curves) / len(curves) for k in range(n)],
+          [[c[k]["reward"] for c in curves] for k in range(n)])
+
+
 def plot_reward_curves(result: dict[str, Any], out_png: str) -> None:
   """Held-out reward vs wall clock per mode: mean over seeds, the seeds' range
-  as a band, the target and the budget marked (``time_to_reward.json``)."""
+  as a band, the target and the budget marked (``time_to_reward.json``).
+
+  When the curves carry ``trained_samples``, a second panel draws the reward
+  against the samples trained into each version for ``sync`` and the
+  ``dora_pace`` runs: DORA's claim is that its speed costs no convergence per
+  sample, which the wall-clock panel cannot show."""
   import matplotlib  # pylint: disable=g-import-not-at-top
 
   matplotlib.use("Agg")
@@ -145,15 +158,17 @@ def plot_reward_curves(result: dict[str, Any], out_png: str) -> None:
   by_mode: dict[str, list[list[dict]]] = {}
   for r in runs:
     by_mode.setdefault(r["mode"], []).append(r["curve"])
-  fig, ax = plt.subplots(figsize=(9, 5.5))
-  for i, (mode, curves) in enumerate(by_mode.items()):
-    n = min(len(c) for c in curves)
-    ts = [curves[0][k]["t"] for k in range(n)]
-    vals = [[c[k]["reward"] for c in curves] for k in range(n)]
+  per_sample = all("trained_samples" in p for r in runs for p in r["curve"])
+  fig, axes = plt.subplots(1, 2 if per_sample else 1, figsize=(15 if per_sample else 9, 5.5),
+                           squeeze=False)
+  ax = axes[0][0]
+  colors = {mode: f"C{i}" for i, mode in enumerate(by_mode)}
+  for mode, curves in by_mode.items():
+    ts, vals = _mean_curve(curves, "t")
     mean = [sum(v) / len(v) for v in vals]
-    ax.plot(ts, mean, color=f"C{i}", marker="o", ms=3, label=f"{mode} (mean of {len(curves)})")
+    ax.plot(ts, mean, color=colors[mode], marker="o", ms=3, label=f"{mode} (mean of {len(curves)})")
     if len(curves) > 1:
-      ax.fill_between(ts, [min(v) for v in vals], [max(v) for v in vals], color=f"C{i}",
+      ax.fill_between(ts, [min(v) for v in vals], [max(v) for v in vals], color=colors[mode],
                       alpha=0.15, lw=0)
   targets = next(iter(result.get("summary", {}).values()), {}).get("targets") or []
   for j, tg in enumerate(targets):
@@ -164,7 +179,24 @@ def plot_reward_curves(result: dict[str, Any], out_png: str) -> None:
   ax.set_title(f"held-out reward vs wall clock ({result.get('workload', '')}, band: seeds' range)")
   ax.set_xlabel("training wall clock (s; evaluation excluded)")
   ax.set_ylabel("held-out reward")
-  save_figure(fig, [ax], out_png, dpi=100)
+  used = [ax]
+  if per_sample:
+    ax2 = axes[0][1]
+    for mode, curves in by_mode.items():
+      if mode != "sync" and not mode.startswith("dora_pace"):
+        continue
+      xs, vals = _mean_curve(curves, "trained_samples")
+      # Seeds trained different sample counts by each scheduled time: each seed's own line.
+      for c in curves:
+        ax2.plot([p["trained_samples"] for p in c], [p["reward"] for p in c], color=colors[mode],
+                 alpha=0.3, lw=1)
+      ax2.plot(xs, [sum(v) / len(v) for v in vals], color=colors[mode], marker="o", ms=3,
+               label=f"{mode} (thin: each seed; thick: the seeds' mean)")
+    ax2.set_title("held-out reward vs samples trained (convergence per sample)")
+    ax2.set_xlabel("trained samples in the evaluated version")
+    ax2.set_ylabel("held-out reward")
+    used.append(ax2)
+  save_figure(fig, used, out_png, dpi=100)
 
 
 def save_figure(fig, axes, out: str, dpi: int) -> None:

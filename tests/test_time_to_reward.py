@@ -15,6 +15,9 @@ import pytest
 from jax_dora.metrics import reward_curves as rc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import time_to_reward as ttr  # noqa: E402  pylint: disable=wrong-import-position
 
 SYNC_SEED0 = [(0, 0.10), (10, 0.20), (20, 0.25), (30, 0.30)]
 FAST_SEED0 = [(0, 0.10), (10, 0.22), (20, 0.31), (30, 0.35), (40, 0.36), (50, 0.36), (60, 0.37)]
@@ -81,6 +84,61 @@ def test_version_at_reads_published_versions_from_records():
   assert rc.schedule(25, 10) == [0, 10, 20]
 
 
+def test_trained_staleness_pools_every_steps_histogram_by_hand():
+  recs = [{"staleness_behaviour": {"0": 90, "1": 8, "mean": 0.1, "max": 1, "n": 98}},
+          {"staleness_behaviour": {"2": 1, "7": 1, "mean": 4.5, "max": 7, "n": 2}},
+          {"step": 3}]  # a record without the histogram
+  # 100 samples: 90 at 0, 8 at 1, 1 at 2, 1 at 7. The 50th is 0; the 99th is 2.
+  out = ttr.trained_staleness(recs)
+  assert out["p50"] == 0 and out["p99"] == 2
+  assert out["mean"] == pytest.approx((8 + 2 + 7) / 100)
+  assert ttr.trained_staleness([{}])["p50"] != ttr.trained_staleness([{}])["p50"]  # NaN
+
+
+def test_rejection_shares_by_reason_by_hand():
+  summary = {"trained_groups": 60, "rejected_groups": {
+      "zero_variance": 30, "stale": 4, "generation_staleness": 5, "waiting_staleness": 1}}
+  out = ttr.rejection_shares(summary)  # of 100 completed groups
+  assert out == {"zero_variance": 0.30, "stale": 0.04, "pace": 0.06}
+
+
+def _run(mode: str, seed: int, rewards: list[float], **kw) -> dict:
+  return {"mode": mode, "seed": seed, "curve": [
+      {"t": 10.0 * i, "reward": r, **({"greedy": r + 0.1} if i == 2 else {})}
+      for i, r in enumerate(rewards)], "trained_tokens_per_s": kw.get("tok_s", 100.0),
+      "bubble_ratio": 0.5, "wasted_share": 0.2, "integrity_violations": 0,
+      "staleness": {"p50": 1.0, "p99": 3.0}, "rejected": {"pace": 0.1, "stale": 0.0}}
+
+
+def test_run_stats_pairs_each_mode_with_unfiltered_of_its_seed_and_bound():
+  runs = [_run("async_unfiltered@s2", 0, [0.2, 0.2, 0.25, 0.3]),
+          _run("async_unfiltered@s2", 1, [0.2, 0.3, 0.40, 0.5]),
+          _run("dora_pace@s2", 0, [0.2, 0.3, 0.30, 0.4], tok_s=300.0),
+          _run("dora_pace@s2", 1, [0.2, 0.3, 0.44, 0.5], tok_s=100.0),
+          _run("dora_pace@s8", 0, [0.2, 0.2, 0.50, 0.5])]  # no unfiltered@s8: no ratio
+  stats = ttr.run_stats(runs, budget_s=20)
+  # At B = 20 s: 0.30 / 0.25 = 1.2 (seed 0) and 0.44 / 0.40 = 1.1 (seed 1).
+  mean, se = stats["dora_pace@s2"]["x_unfiltered_at_budget"]
+  assert mean == pytest.approx(1.15) and se == pytest.approx(0.05)
+  assert stats["async_unfiltered@s2"]["x_unfiltered_at_budget"][0] == pytest.approx(1.0)
+  assert stats["dora_pace@s8"]["x_unfiltered_at_budget"][0] != stats[
+      "dora_pace@s8"]["x_unfiltered_at_budget"][0]  # NaN
+  assert stats["dora_pace@s2"]["reward_at_end"][0] == pytest.approx(0.45)
+  assert stats["dora_pace@s2"]["greedy_at_budget"][0] == pytest.approx((0.40 + 0.54) / 2)
+  assert stats["dora_pace@s2"]["trained_tokens_per_s"] == pytest.approx((200.0, 100.0))
+
+
+def test_a_finished_run_is_not_run_again(tmp_path, capsys):
+  """The benchmark takes hours: rerunning the command resumes it."""
+  out = tmp_path / "seed0" / "dora"
+  out.mkdir(parents=True)
+  kept = _run("dora", 0, [0.1, 0.2])
+  (out / "result.json").write_text(json.dumps(kept))
+  # Nothing is started: the arguments a real run needs are absent.
+  assert ttr.run_one("dora", 0, out, 20, 10, a=None, overrides=[]) == kept
+  assert "done before" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="split placement needs 2 cores")
 def test_time_to_reward_tiny_budget_end_to_end(tmp_path):
@@ -92,7 +150,7 @@ def test_time_to_reward_tiny_budget_end_to_end(tmp_path):
   are checked by hand in the default suite above."""
   proc = subprocess.run(
       [sys.executable, "benchmarks/time_to_reward.py", "--budget_s=6", "--every_s=3",
-       "--seeds=1", "--modes=dora_pace", "--eval_prompts=8", f"--out={tmp_path}",
+       "--seeds=1", "--modes=dora_pace", "--eval_prompts=8", f"--out={tmp_path}", "--greedy",
        # A shorter tail: fewer programs to compile before the clock.
        "--config.data.max_answer_len=47", "--config.rollout.max_new_tokens=48",
        "--config.model.max_seq_len=96", "--config.learner.seq_len_buckets=64"],
@@ -111,6 +169,12 @@ def test_time_to_reward_tiny_budget_end_to_end(tmp_path):
     # are published inside even a 6 s budget.
     assert versions[0] == 0 and versions == sorted(versions) and versions[-1] > 0
     assert not (pathlib.Path(r["run_dir"]) / "snapshots").exists()  # deleted once evaluated
+    # 8 groups x 8 samples a step (configs/long_tail.py): the per-sample convergence axis.
+    assert [p["trained_samples"] for p in r["curve"]] == [64 * v for v in versions]
+    # --greedy: the versions at 0, B (6 s) and the run's end are also decoded greedily.
+    at = {p["t"]: p["version"] for p in r["curve"]}
+    assert {p["version"] for p in r["curve"] if "greedy" in p} == {
+        at[0], at[6], r["curve"][-1]["version"]}
   # Version 0 is the same initial policy for both modes (same seed, same prompts).
   assert by_mode["sync"]["curve"][0]["reward"] == pytest.approx(
       by_mode["dora_pace"]["curve"][0]["reward"], abs=0.05)
