@@ -37,12 +37,14 @@ import numpy as np
 
 from jax_dora.config import ConfigError, RunConfig, validate
 from jax_dora.data import make_eval_prompts
-from jax_dora.data.sft import SftRows, SftStream, bucket_length, pack_batch, read_sft_table, tokenize_rows
+from jax_dora.data.sft import (ObservationSpans, SftRows, SftStream, bucket_length, pack_batch,
+                               read_sft_table, tokenize_rows)
 from jax_dora.learner.batching import parse_buckets
 from jax_dora.learner.mesh import BATCH_AXES, make_mesh, split_devices
 from jax_dora.learner.train_state import Learner
 from jax_dora.metrics.writers import open_run_metrics
 from jax_dora.orchestrator.evaluation import Evaluator, length_budget
+from jax_dora.orchestrator.multiturn import FORMATS, ToolLoop
 from jax_dora.orchestrator.run_checkpoint import RunCheckpointer
 from jax_dora.policy import PolicySpec, resolve_policy
 from jax_dora.runtime import (
@@ -56,6 +58,11 @@ from jax_dora.runtime import (
 from jax_dora.snapshots import SnapshotPublisher
 
 log = logging.getLogger("jax_dora.sft")
+
+
+def observation_spans_of(cfg: RunConfig) -> ObservationSpans | None:
+  """Where the run's tool observations sit in an SFT target (None: no tool configured)."""
+  return FORMATS.get(cfg.tools.name).observation_spans if cfg.tools.enabled else None
 
 
 def check_sft_config(cfg: ml_collections.ConfigDict | RunConfig) -> RunConfig:
@@ -138,10 +145,10 @@ class SftRun:
     held_rows = None
     if cfg.sft.eval_loss_rows and cfg.data.eval_files:
       table = read_sft_table(cfg, cfg.data.eval_files)
-      rows = tokenize_rows(table, tokenizer, cfg.model.max_seq_len, cfg.data.on_bad_row)
+      rows = tokenize_rows(table, tokenizer, cfg.model.max_seq_len, cfg.data.on_bad_row,
+                           observation_spans_of(cfg))
       keep = np.random.default_rng(cfg.data.eval_seed).permutation(len(rows))[:cfg.sft.eval_loss_rows]
-      held_rows = SftRows([rows.tokens[i] for i in keep], [rows.prompt_lens[i] for i in keep],
-                          [rows.texts[i] for i in keep], rows.skipped)
+      held_rows = rows.subset(keep)
     rollout = None
     evaluator = None
     if cfg.eval.num_prompts:
@@ -153,7 +160,8 @@ class SftRun:
       evaluator = Evaluator(
           prompts, rollout.dispatcher, rollout.scorer, tokenizer,
           lambda p: length_budget(tokenizer, cfg.rollout.max_new_tokens, False, p),
-          num_samples=1, correct_threshold=cfg.eval.correct_threshold)
+          num_samples=1, correct_threshold=cfg.eval.correct_threshold,
+          tool_loop=ToolLoop.from_config(cfg.tools, rollout.tools, tokenizer))
     held = HeldOut(held_rows, evaluator)
     metrics = open_run_metrics(cfg, paths.metrics, resumed_step=self.resumed_step,
                                incarnation=new_incarnation())
@@ -281,7 +289,8 @@ def build_sft_run(config: ml_collections.ConfigDict | RunConfig) -> SftRun:
   write_run_metadata(paths, cfg, policy)
 
   table = read_sft_table(cfg, cfg.data.train_files)
-  rows = tokenize_rows(table, policy.tokenizer, cfg.model.max_seq_len, cfg.data.on_bad_row)
+  rows = tokenize_rows(table, policy.tokenizer, cfg.model.max_seq_len, cfg.data.on_bad_row,
+                       observation_spans_of(cfg))
   log.info("SFT data: %d rows of %s (%s)", len(rows), cfg.data.train_files,
            "nothing skipped" if not rows.skipped else f"skipped {rows.skipped}")
   stream = SftStream(rows, cfg.sft.batch_size, cfg.data.seed, cfg.data.num_epochs)

@@ -108,10 +108,10 @@ def test_stream_resumes_with_the_same_batches():
   for _ in range(7):  # past the first epoch (5 batches)
     a.next_batch()
   state = a.get_state()
-  expect = [[int(ids[0]) for ids, _ in a.next_batch()] for _ in range(3)]
+  expect = [[int(row.ids[0]) for row in a.next_batch()] for _ in range(3)]
   b = SftStream(rows, 4, seed=3)
   b.set_state(state)
-  assert [[int(ids[0]) for ids, _ in b.next_batch()] for _ in range(3)] == expect
+  assert [[int(row.ids[0]) for row in b.next_batch()] for _ in range(3)] == expect
   with pytest.raises(DatasetError, match="cannot fill one batch"):
     SftStream(rows, 32, seed=0)
 

@@ -7,6 +7,14 @@ the assistant header appended, exactly what a rollout is prefilled with),
 and appends the target's tokens and the tokenizer's EOS, the stop id a
 completion ends on. Prompt tokens are masked out of the loss.
 
+Tool-integrated traces: a target may hold tool observations (the text a tool
+returned, in its call format's wrapper, e.g. a fenced ``output`` block). Those
+are what the environment writes, not the model: given ``observation_spans``
+(the run's :class:`~jax_dora.orchestrator.multiturn.CallFormat`), each
+observation is tokenised alone, exactly as a multi-turn rollout appends it,
+and masked out of the loss like the prompt (ReTool, verl's multi-turn SFT:
+the model learns to call and to read, never to predict a tool's output).
+
 Bad rows are handled like the RL side's: a row without the prompt or target
 field is skipped with a logged count (``data.on_bad_row=error`` stops
 instead), and so is a row whose prompt + target exceed ``model.max_seq_len``
@@ -24,7 +32,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import grain
 import numpy as np
@@ -39,20 +48,42 @@ _log = logging.getLogger(__name__)
 OVERLONG = "prompt + target longer than model.max_seq_len"
 
 
+# Character spans ``[start, end)`` of the tool observations in a target text.
+ObservationSpans = Callable[[str], Sequence[tuple[int, int]]]
+
+
+class SftRow(NamedTuple):
+  """One tokenised row: ``ids`` = prompt + target + EOS; the loss is on the target tokens
+  outside ``context_spans`` (token ranges ``[start, end)`` of tool observations)."""
+
+  ids: np.ndarray
+  prompt_len: int
+  context_spans: tuple[tuple[int, int], ...] = ()
+
+
 @dataclasses.dataclass
 class SftRows:
-  """Tokenized rows: ``tokens[i]`` is prompt + target + EOS, ``prompt_lens[i]`` its prompt part."""
+  """Tokenized rows: ``tokens[i]`` is prompt + target + EOS, ``prompt_lens[i]`` its prompt part,
+  ``context_spans[i]`` its observations' token ranges (empty: no tool in the row)."""
 
   tokens: list[np.ndarray]
   prompt_lens: list[int]
   texts: list[str]
   skipped: dict[str, int]
+  context_spans: list[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=list)
 
   def __len__(self) -> int:
     return len(self.tokens)
 
-  def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-    return self.tokens[i], self.prompt_lens[i]
+  def __getitem__(self, i: int) -> SftRow:
+    return SftRow(self.tokens[i], self.prompt_lens[i],
+                  self.context_spans[i] if self.context_spans else ())
+
+  def subset(self, indices: Sequence[int]) -> SftRows:
+    """The rows at ``indices`` (in that order)."""
+    return SftRows([self.tokens[i] for i in indices], [self.prompt_lens[i] for i in indices],
+                   [self.texts[i] for i in indices], self.skipped,
+                   [self.context_spans[i] for i in indices] if self.context_spans else [])
 
 
 def read_sft_table(cfg: RunConfig, files: str) -> RecordTable:
@@ -62,20 +93,51 @@ def read_sft_table(cfg: RunConfig, files: str) -> RecordTable:
   return read_records(split_csv(files, str), fmt, d.on_bad_row)
 
 
+def encode_target(tokenizer: Any, target: str, observation_spans: ObservationSpans | None,
+                  offset: int = 0) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
+  """``target``'s ids and its observations' token ranges (shifted by ``offset``).
+
+  Without ``observation_spans`` the target is one piece. With it, the text is
+  cut at the observations and every piece is tokenised alone: the model's
+  pieces as it would sample them (a turn ends at its stop string), each
+  observation as a rollout appends it (``ToolLoop``: the wrapped text encoded
+  on its own), so the SFT rows and the multi-turn rollouts hold the same ids.
+  """
+  if observation_spans is None:
+    return np.asarray(tokenizer.encode_ids(target), np.int32), ()
+  pieces: list[np.ndarray] = []
+  spans: list[tuple[int, int]] = []
+  at, n = 0, offset
+  for start, end in sorted(observation_spans(target)):
+    for text, is_observation in ((target[at:start], False), (target[start:end], True)):
+      ids = np.asarray(tokenizer.encode_ids(text) if text else [], np.int32)
+      if is_observation:
+        spans.append((n, n + len(ids)))
+      pieces.append(ids)
+      n += len(ids)
+    at = end
+  pieces.append(np.asarray(tokenizer.encode_ids(target[at:]) if target[at:] else [], np.int32))
+  return np.concatenate(pieces).astype(np.int32), tuple(spans)
+
+
 def tokenize_rows(table: RecordTable, tokenizer: Any, max_seq_len: int,
-                  on_bad_row: str = "skip") -> SftRows:
+                  on_bad_row: str = "skip",
+                  observation_spans: ObservationSpans | None = None) -> SftRows:
   """Prompt + target + EOS ids of every row that fits ``max_seq_len`` tokens.
+
+  ``observation_spans``: finds tool observations in a target (the run's call
+  format; None: no tools), which are tokenised alone and kept out of the loss.
 
   Raises:
     DatasetError: a row too long under ``on_bad_row="error"``, or no row fits.
   """
-  tokens, prompt_lens, texts = [], [], []
+  tokens, prompt_lens, texts, contexts = [], [], [], []
   skipped = collections.Counter(table.skipped)
   first_long = None
   for i in range(len(table)):
     rec = table[i]
     prompt = np.asarray(tokenizer.encode_prompt(rec["text"]), np.int32)
-    target = np.asarray(tokenizer.encode_ids(rec["target"]), np.int32)
+    target, spans = encode_target(tokenizer, rec["target"], observation_spans, len(prompt))
     row = np.concatenate([prompt, target, np.asarray([tokenizer.eos_id], np.int32)])
     if len(row) > max_seq_len:
       where = f"{rec['file']}:{rec['row']}: {len(row)} tokens > model.max_seq_len={max_seq_len}"
@@ -87,21 +149,24 @@ def tokenize_rows(table: RecordTable, tokenizer: Any, max_seq_len: int,
     tokens.append(row)
     prompt_lens.append(len(prompt))
     texts.append(rec["text"])
+    contexts.append(spans)
   if skipped[OVERLONG]:
     _log.warning("skipped %d SFT row(s) longer than model.max_seq_len=%d tokens, e.g. %s",
                  skipped[OVERLONG], max_seq_len, first_long)
   if not tokens:
     raise DatasetError(f"no SFT row fits model.max_seq_len={max_seq_len} tokens"
                        f" (skipped: {dict(skipped)})")
-  return SftRows(tokens, prompt_lens, texts, {k: v for k, v in skipped.items() if v})
+  return SftRows(tokens, prompt_lens, texts, {k: v for k, v in skipped.items() if v},
+                 contexts if observation_spans is not None else [])
 
 
-def pack_batch(rows: list[tuple[np.ndarray, int]], template: dict[str, np.ndarray],
+def pack_batch(rows: Sequence[SftRow], template: dict[str, np.ndarray],
                pad_id: int) -> dict[str, np.ndarray]:
   """Rows into the learner's batch layout (``learner.train_state.batch_shapes``).
 
   ``inputs``/``targets`` are the row shifted by one; ``mask`` is 1 on the
-  target positions that predict a target token (after the prompt), every
+  target positions that predict a target token (after the prompt, outside
+  the tool observations), every
   advantage is 1 and behaviour log-probs and staleness are 0: the ``sft``
   objective's cross-entropy. ``template`` is ``Learner.batch_template`` of the
   shape to fill (rows beyond ``len(rows)`` stay all-masked padding).
@@ -110,7 +175,8 @@ def pack_batch(rows: list[tuple[np.ndarray, int]], template: dict[str, np.ndarra
   seq = out["inputs"].shape[1] + 1
   out["inputs"][...] = pad_id
   out["targets"][...] = pad_id
-  for b, (ids, n_prompt) in enumerate(rows):
+  for b, row in enumerate(rows):
+    ids, n_prompt = row[0], row[1]
     n = len(ids)
     if n > seq:
       raise ValueError(f"row of {n} tokens in a batch of length {seq}")
@@ -120,13 +186,15 @@ def pack_batch(rows: list[tuple[np.ndarray, int]], template: dict[str, np.ndarra
     # Target position t predicts token t + 1: the first trained one is the
     # first target token, predicted from the prompt's last position.
     out["mask"][b, n_prompt - 1:n - 1] = 1.0
+    for start, end in (row[2] if len(row) > 2 else ()):
+      out["mask"][b, start - 1:end - 1] = 0.0  # tokens the tool wrote are not predicted
     out["advantages"][b] = 1.0
   return out
 
 
-def bucket_length(rows: list[tuple[np.ndarray, int]], buckets: list[int]) -> int:
+def bucket_length(rows: Sequence[SftRow], buckets: list[int]) -> int:
   """The smallest length bucket that holds the longest row (the learner's shapes)."""
-  longest = max(len(ids) for ids, _ in rows)
+  longest = max(len(row[0]) for row in rows)
   for b in buckets:
     if b >= longest:
       return b
@@ -148,7 +216,7 @@ class SftStream:
     self._iter = ds.to_iter_dataset(
         grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).__iter__()
 
-  def next_batch(self) -> list[tuple[np.ndarray, int]]:
+  def next_batch(self) -> list[SftRow]:
     return next(self._iter)
 
   def get_state(self) -> dict[str, Any]:

@@ -48,6 +48,12 @@ class CallFormat(Protocol):
   def wrap(self, observation: str) -> str:
     """The text appended after the call (what the model reads)."""
 
+  def observation_spans(self, text: str) -> list[tuple[int, int]]:
+    """Character spans ``[start, end)`` of the wrapped observations in a written trace.
+
+    SFT on tool-integrated traces keeps them out of the loss (``jax_dora.data.sft``).
+    """
+
 
 @dataclasses.dataclass(frozen=True)
 class CalculatorFormat:
@@ -78,6 +84,9 @@ class CalculatorFormat:
   def wrap(self, observation: str) -> str:
     return f"[{observation}]"
 
+  def observation_spans(self, text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in re.finditer(r"\[[^\]\n]*\]", text)]
+
 
 @dataclasses.dataclass(frozen=True)
 class PythonBlockFormat:
@@ -101,7 +110,13 @@ class PythonBlockFormat:
     return body[:end] if end >= 0 else None
 
   def wrap(self, observation: str) -> str:
-    return f"```output\n{observation}\n```\n"
+    # A program's output usually ends with print's newline: the block's own
+    # line break replaces it (``12\n`` reads ``12``, not ``12`` and an empty line).
+    body = observation[:-1] if observation.endswith("\n") else observation
+    return f"```output\n{body}\n```\n"
+
+  def observation_spans(self, text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in re.finditer(r"```output\n.*?\n```\n", text, re.DOTALL)]
 
 
 FORMATS: Registry[CallFormat] = Registry("tool call format")
