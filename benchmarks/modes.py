@@ -21,6 +21,9 @@ the next).
 * ``math`` (``configs/tiny_math_dapo.py``): RL from the shipped base model on
   the word problems with DAPO's dynamic sampling (a rollout-dominated
   synchronous step: sync bubble 68% measured, 12-06); held-out pass@1;
+* ``math_tools`` (``configs/tiny_math_tools.py``): the python tool on word
+  problems whose last step needs it, from ``configs/tool_sft.py``'s model
+  (run that SFT first); the tools modes and latency below;
 * ``tools`` (``configs/tiny_tools.py``): multi-turn trajectories that call a
   calculator mid-generation (each call 0.1 s of environment latency by
   default); sync, async_unfiltered, dora and dora_pace; the table adds tool
@@ -85,7 +88,9 @@ from _procs import free_port  # noqa: E402  pylint: disable=wrong-import-positio
 
 WORKLOADS = {"long_tail": "configs/long_tail.py", "long_context": "configs/long_context.py",
              "tools": "configs/tiny_tools.py", "moe": "configs/long_tail_moe.py",
-             "math": "configs/tiny_math_dapo.py"}
+             "math": "configs/tiny_math_dapo.py", "math_tools": "configs/tiny_math_tools.py"}
+# Multi-turn workloads: the tools modes and the slow-environment latency below.
+TOOL_WORKLOADS = ("tools", "math_tools")
 # The multi-turn workload (issue 25): its modes, and a tool latency that
 # models a slow environment: each call adds a long-tailed wait to its
 # trajectory's wall time (Pareto, alpha 1.5, mean 0.3 s: the slowest of a
@@ -336,8 +341,10 @@ def main() -> None:
   ap.add_argument("--workload", choices=sorted(WORKLOADS), default="long_tail",
                   help="long_tail (configs/long_tail.py), long_context (configs/long_context.py),"
                        " tools (configs/tiny_tools.py, multi-turn), moe"
-                       " (configs/long_tail_moe.py, a mixture-of-experts policy) or math"
-                       " (configs/tiny_math_dapo.py: RL from the shipped base model)")
+                       " (configs/long_tail_moe.py, a mixture-of-experts policy), math"
+                       " (configs/tiny_math_dapo.py: RL from the shipped base model) or"
+                       " math_tools (configs/tiny_math_tools.py: the python tool, from"
+                       " configs/tool_sft.py's model)")
   ap.add_argument("--out", default="", help="directory for per-mode runs (default: temp)")
   ap.add_argument("--shuffle_seed", type=int, default=0, help="seeds the per-round mode order")
   ap.add_argument("--json", default="", help="also write the aggregated table here")
@@ -356,7 +363,7 @@ def main() -> None:
   CONFIG = WORKLOADS[a.workload]
   budget = 20.0 if a.quick else a.budget_s
   base = pathlib.Path(a.out or tempfile.mkdtemp(prefix="jax_dora_modes_"))
-  default_modes = TOOLS_MODES if a.workload == "tools" else ALL_MODES
+  default_modes = TOOLS_MODES if a.workload in TOOL_WORKLOADS else ALL_MODES
   modes = [m for m in (a.modes or ",".join(default_modes)).split(",") if m]
   try:
     variants = parse_variants(a.variant)
@@ -364,7 +371,7 @@ def main() -> None:
     ap.error(str(e))
   if variants:  # one entry per mode and variant: "dora_pace@on"
     modes = [f"{m}@{name}" for m in modes for name in variants]
-  if a.workload == "tools":
+  if a.workload in TOOL_WORKLOADS:
     given = {o.split("=", 1)[0] for o in overrides}
     overrides = [o for o in TOOLS_DEFAULT_OVERRIDES if o.split("=", 1)[0] not in given] + overrides
   where = a.placement

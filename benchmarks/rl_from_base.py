@@ -59,8 +59,8 @@ def cold_cache_dir(run_dir: pathlib.Path) -> pathlib.Path:
 
 
 def train(seed: int, out: pathlib.Path, budget_s: float, overrides: list[str],
-          cold_cache: bool = True) -> dict:
-  """One ``jax_dora.train`` run of ``CONFIG`` for ``budget_s`` seconds; returns its summary.
+          cold_cache: bool = True, config: str = CONFIG) -> dict:
+  """One ``jax_dora.train`` run of ``config`` for ``budget_s`` seconds; returns its summary.
 
   ``cold_cache``: the run compiles into an empty cache directory of its own
   (the issue's "from a cold compilation cache"), so its start-up is what a
@@ -70,7 +70,7 @@ def train(seed: int, out: pathlib.Path, budget_s: float, overrides: list[str],
     cache = cold_cache_dir(out)
     shutil.rmtree(cache, ignore_errors=True)
     overrides = [f"--config.compile_cache_dir={cache}", *overrides]
-  cmd = [sys.executable, "-m", "jax_dora.train", f"--config={CONFIG}",
+  cmd = [sys.executable, "-m", "jax_dora.train", f"--config={config}",
          f"--config.seed={seed}", f"--config.output_dir={out}",
          f"--config.max_wall_time_s={budget_s}", "--config.total_steps=1000000",
          "--config.snapshots.max_to_keep=0", "--config.eval.num_prompts=0",

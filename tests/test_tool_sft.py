@@ -110,3 +110,20 @@ def test_tool_trace_rows_keep_exactly_the_output_block_out_of_the_loss():
 @pytest.mark.parametrize("bad", ["```output\nunclosed", ""])
 def test_a_target_without_a_complete_observation_is_one_piece(bad):
   assert FORMATS.get("python").observation_spans(bad) == []
+
+
+def test_tool_use_shares_read_off_completion_text_by_hand():
+  import pathlib
+  import sys
+
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  from tool_use import tool_use  # pylint: disable=import-outside-toplevel
+
+  completions = [
+      TRACE,                                                            # called, copied
+      TRACE.replace("#### 37213", "#### 2189"),                        # called, not copied
+      "```python\nprint(2)\n```\n",                                     # called, no output block
+      "12 + 5 = 17\n#### 17",                                           # no call
+  ]
+  assert tool_use(completions) == {"called": 0.75, "copied": 0.5}
+  assert tool_use([]) == {"called": None, "copied": None}
