@@ -13,7 +13,7 @@ test-slow:
 	$(PY) -m pytest -q -m slow --timeout=3600 tests
 
 train:
-	$(PY) -m jax_dora.train --config=configs/tiny.py
+	$(PY) -m jax_dora.train --config=configs/tiny_math.py
 
 bench:
 	$(PY) benchmarks/modes.py

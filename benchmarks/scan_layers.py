@@ -51,7 +51,7 @@ from jax_dora.learner import train_state  # noqa: E402  pylint: disable=g-import
 from jax_dora.learner.mesh import make_mesh  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_dora.learner.train_state import Learner  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_dora.model import CharTokenizer, ModelConfig, Transformer, init_key, init_params  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jax_dora.rollout.engine import DoraEngine  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_dora.rollout.engine import DecodeHint, DoraEngine, MultiVersionParams  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 TOK = CharTokenizer()
 SHAPES = {
@@ -136,18 +136,11 @@ def measure_engine(cfg: ModelConfig, scan: bool, bound: int, steps: int) -> dict
                       temperature=1.0, length_buckets=(bound,), scan_layers=scan)
   params = engine.place_params(init_params(cfg, jax.random.PRNGKey(0)))
   state = engine.init_decode_state()
-  i32 = np.int32(0)
   out = {}
   # Prefill: the largest row bucket at the 32-token length bucket.
-  t = engine._bucket(32)  # pylint: disable=protected-access
-  u = engine.prefill_rows(t)[-1]
-  abstract = engine._abstract_state()  # pylint: disable=protected-access
-  key = jax.ShapeDtypeStruct((2,), np.uint32, sharding=engine.replicated)
-  n = jax.ShapeDtypeStruct((16,), np.int32)
-  args = (engine.abstract_params(), abstract, jax.ShapeDtypeStruct((u, t), np.int32),
-          jax.ShapeDtypeStruct((u,), np.int32), n, n, jax.ShapeDtypeStruct((16,), np.uint32), i32,
-          key)
-  lowered, out["prefill_lower_s"] = _timed(engine._prefill_batch_fn.lower, *args)  # pylint: disable=protected-access
+  t = engine.buckets.prefill_length(32)
+  u = engine.buckets.prefill_rows(t)[-1]
+  lowered, out["prefill_lower_s"] = _timed(engine.programs.lower_prefill, u, t)
   _, out["prefill_compile_s"] = _timed(lowered.compile)
   rng = np.random.default_rng(0)
   contexts = [rng.integers(3, cfg.vocab_size, 24).astype(np.int32) for _ in range(16)]
@@ -159,15 +152,16 @@ def measure_engine(cfg: ModelConfig, scan: bool, bound: int, steps: int) -> dict
 
   out["prefill_step_s"] = _median_step(prefill, steps)
   # Decode: the single-version program at ``bound``.
-  lowered, out["decode_lower_s"] = _timed(engine._single_fn.lower, engine.abstract_params(),  # pylint: disable=protected-access
-                                          abstract, i32, bound=bound)
+  lowered, out["decode_lower_s"] = _timed(engine.programs.lower_decode, bound)
   _, out["decode_compile_s"] = _timed(lowered.compile)
+  one = MultiVersionParams.single(0, params)
+  hint = DecodeHint(max_position=bound, version_rows={0: 16})
 
   def decode():
     nonlocal state
     state = engine.init_decode_state() if int(state.positions.max()) >= bound - 1 else state
-    state, data, _, _ = engine._single_fn(params, state, i32, bound=bound)  # pylint: disable=protected-access
-    return data
+    state, res = engine.generate(one, state, hint)
+    return res.data
 
   prefill()
   out["decode_step_s"] = _median_step(decode, steps * 4)

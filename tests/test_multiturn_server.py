@@ -110,7 +110,7 @@ def test_a_held_version_stays_live_until_taken_over_or_released(served):
 
 def test_an_abandoned_hold_times_out(served):
   publisher, driver = served
-  driver.hold_timeout_s = 0.2
+  driver.holds.timeout_s = 0.2
   publisher.publish(0, init_params(CFG, jax.random.PRNGKey(0)))
   driver.load_version(0)
   col = Collector(driver)

@@ -143,8 +143,8 @@ def test_generate_compiles_once():
   for slot in range(3):
     state = engine.insert(engine.prefill(params=params, padded_tokens=padded, true_length=n), state, slot)
     state, _ = engine.generate(params, state)
-  assert engine._single_fn._cache_size() == 1  # pylint: disable=protected-access
-  assert engine._insert_fn._cache_size() == 1  # pylint: disable=protected-access
+  compiled = engine.programs.compiled()
+  assert compiled["decode"] == compiled["insert"] == compiled["prefill_prefix"] == 1
 
 
 def test_sample_tokens_top_p_keeps_logprob_untruncated():
@@ -368,14 +368,9 @@ def test_decode_programs_have_no_data_dependent_loops_or_branches():
   assert engine.length_buckets == (16, 32, 48)
   params = engine.place_params(init_params(CFG, jax.random.PRNGKey(0)))
   state = engine.init_decode_state()
-  acc = engine._empty_acc_fn(state)  # pylint: disable=protected-access
-  v = np.int32(1)
-  programs = []
-  for bound in engine.length_buckets:
-    programs.append(engine._single_fn.trace(params, state, v, bound=bound))  # pylint: disable=protected-access
-    for size in engine._row_buckets:  # pylint: disable=protected-access
-      programs.append(engine._pass_fn.trace(params, state, acc, v, size=size, bound=bound))  # pylint: disable=protected-access
-  programs.append(engine._finish_fn.trace(state, acc))  # pylint: disable=protected-access
+  programs = engine.programs.decode_traces(params, state, version=1)
+  # 3 lengths x (the fused program + 3 pass sizes: 1, 2 and all 4 slots), and the commit.
+  assert len(programs) == 3 * (1 + 3) + 1
   for traced in programs:
     names = _primitives(traced.jaxpr.jaxpr)
     assert "dot_general" in names or "scatter" in names  # the walk sees the program

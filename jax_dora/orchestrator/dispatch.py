@@ -60,6 +60,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from jax_dora.rollout.api import (
+    ResumeParts,
     RolloutClient,
     RolloutError,
     RolloutRequest,
@@ -548,21 +549,17 @@ class Dispatcher:
     d = min(self._backoff_max, self._backoff * 2 ** min(attempts - 1, 16))
     return d * self._rng.uniform(0.5, 1.0)
 
-  def _aborted(self, rid: str, resume: Trajectory | None) -> RolloutResult:
+  def _aborted(self, rid: str, resume: ResumeParts | None) -> RolloutResult:
     """The result of a request aborted before it reached a server (as the driver's).
 
     It carries the run's incarnation: without it the orchestrator would take
     it for another run's result, discard it and re-issue the sample.
     """
-    if resume is not None and resume.num_completion_tokens:
-      toks = np.asarray(resume.completion_tokens, np.int32)
-      lps = np.asarray(resume.behaviour_logprobs, np.float32)
-      spans = tuple(resume.spans)
-    else:
-      toks, lps, spans = np.zeros((0,), np.int32), np.zeros((0,), np.float32), ()
-    return RolloutResult(rid, toks, lps, spans, "aborted", prefill_version=-1,
-                         incarnation=self.incarnation or "",
-                         routing=None if resume is None else resume.routing)
+    if resume is None:
+      resume = ResumeParts(np.zeros((0,), np.int32), np.zeros((0,), np.float32))
+    return RolloutResult(rid, resume.tokens, resume.logprobs, tuple(resume.spans), "aborted",
+                         prefill_version=-1, incarnation=self.incarnation or "",
+                         routing=resume.routing)
 
   async def run(
       self,
@@ -591,6 +588,7 @@ class Dispatcher:
     self._ensure_monitor()
     abort_gen = None if tag == EVAL_TAG else self._abort_gen
     extra = dict(stop_strings=tuple(stop_strings), hold=hold)
+    resume = resume_parts(resume)  # the partial trajectory's completion, derived once
     if server is not None:
       return await self._run_on(server, prompt, prompt_tokens, member, max_new_tokens,
                                 version=version, resume=resume, tag=tag, ignore_eos=ignore_eos,
@@ -637,26 +635,21 @@ class Dispatcher:
 
 
   def _request(self, rid: str, prompt_tokens: np.ndarray, max_new_tokens: int,
-               version: int | None, resume: Trajectory | None, ignore_eos: bool,
+               version: int | None, resume: ResumeParts | None, ignore_eos: bool,
                **extra: Any) -> RolloutRequest:
-    req = RolloutRequest(
+    return RolloutRequest(
         request_id=rid,
         prompt_tokens=prompt_tokens,
         max_new_tokens=max_new_tokens,
         version=version,
         ignore_eos=ignore_eos,
         incarnation=self.incarnation or "",
+        **(resume.request_fields() if resume is not None else {}),
         **extra,
     )
-    if resume is not None and resume.num_completion_tokens:
-      req.resume_tokens = resume.completion_tokens
-      req.resume_logprobs = resume.behaviour_logprobs
-      req.resume_spans = tuple(resume.spans)
-      req.resume_routing = resume.routing
-    return req
 
   async def _run_on(self, name: str, prompt: Prompt, prompt_tokens: np.ndarray, member: int,
-                    max_new_tokens: int, *, version: int | None, resume: Trajectory | None,
+                    max_new_tokens: int, *, version: int | None, resume: ResumeParts | None,
                     tag: str, ignore_eos: bool, abort_gen: int | None,
                     **extra: Any) -> RolloutResult:
     """One attempt on server ``name`` (hold affinity): no failover, see :meth:`run`."""
@@ -690,6 +683,15 @@ class Dispatcher:
       await self._guarded(s, s.client.abort([hold]))
     except Exception as e:  # pylint: disable=broad-exception-caught
       log.debug("releasing hold %s on %s failed: %s", hold, name, e)
+
+
+def resume_parts(partial: Trajectory | None) -> ResumeParts | None:
+  """What a request continuing ``partial`` carries (None: nothing generated yet)."""
+  if partial is None or not partial.num_completion_tokens:
+    return None
+  return ResumeParts(np.asarray(partial.completion_tokens, np.int32),
+                     np.asarray(partial.behaviour_logprobs, np.float32), tuple(partial.spans),
+                     partial.routing)
 
 
 def to_trajectory(

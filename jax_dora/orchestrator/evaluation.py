@@ -10,7 +10,7 @@ import numpy as np
 
 from jax_dora.metrics.passk import sample_metrics
 from jax_dora.orchestrator.dispatch import EVAL_TAG
-from jax_dora.orchestrator.multiturn import generate_turns
+from jax_dora.orchestrator.collector import TrajectoryCollector
 from jax_dora.rewards.extract import hash_answer, last_boxed
 from jax_dora.types import Prompt
 
@@ -59,14 +59,14 @@ class Evaluator:
       tool_loop: Any = None,
   ):
     self.prompts = list(prompts)
-    self._dispatcher = dispatcher
     self._scorer = scorer
     self._tokenizer = tokenizer
     self._length_budget = length_budget
     self.num_samples = int(num_samples)
     self.correct_threshold = float(correct_threshold)
-    # Multi-turn eval (the same tool as training); None = single-turn.
-    self._tools = tool_loop
+    # The training turn loop (multi-turn: the same tool as training; None = single-turn).
+    self._collector = TrajectoryCollector(dispatcher, tool_loop, tag=EVAL_TAG,
+                                          on_restart=self._rerun)
     self.last_stderr: float | None = None
     # eval/pass@1, eval/pass@k, eval/maj@k, eval/reward (+ _stderr) of the last evaluation.
     self.last_metrics: dict[str, float | None] = {}
@@ -86,13 +86,10 @@ class Evaluator:
     async def one(p: Prompt, member: int) -> tuple[float, str]:
       budget, ignore_eos = self._length_budget(p)
       tokens = np.asarray(self._tokenizer.encode_prompt(p.text), np.int32)
-      while True:
-        res = await generate_turns(self._dispatcher, self._tools, p, tokens, member, budget,
-                                   tag=EVAL_TAG, ignore_eos=ignore_eos,
-                                   hold=f"{EVAL_TAG}-{p.sample_id}-{member}-{self.reruns}")
-        if res is not None:
-          break
-        self.reruns += 1
+      # A trajectory that cannot finish as one sample (a server gone) starts over.
+      res = await self._collector.collect(p, tokens, member, budget, ignore_eos=ignore_eos,
+                                          hold=f"{EVAL_TAG}-{p.sample_id}-{member}",
+                                          on_abort="restart")
       finished.append((p.sample_id, res.finish_reason, len(res.completion_tokens)))
       text = self._tokenizer.decode(np.asarray(res.completion_tokens).tolist())
       reward = float(await self._scorer.score(p, text))
@@ -112,6 +109,10 @@ class Evaluator:
     # evals (two modes, two checkpoints) has to exceed to mean anything.
     self.last_stderr = m["reward_stderr"]
     return m["reward"]
+
+  def _rerun(self, sample_id: int, member: int, why: str) -> None:
+    del sample_id, member, why
+    self.reruns += 1
 
   def _per_task(self, rewards: list[list[float]], answers: list[list[str]]
                 ) -> dict[str, float | None]:

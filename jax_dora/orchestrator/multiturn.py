@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from typing import Any, Protocol
 
 import numpy as np
 
-from jax_dora.orchestrator.dispatch import to_trajectory
 from jax_dora.registry import Registry
-from jax_dora.rollout.api import VersionUnavailableError
 from jax_dora.tools.base import ToolCall, ToolResult
 from jax_dora.types import Trajectory, no_route
 
@@ -253,50 +250,6 @@ class ToolLoop:
       traj.finish_reason = "length"
       return False
     return True
-
-
-async def generate_turns(dispatcher: Any, tools: ToolLoop | None, prompt: Any,
-                         prompt_tokens: np.ndarray, member: int, budget: int, *, tag: str,
-                         ignore_eos: bool, hold: str = "") -> Trajectory | None:
-  """One trajectory, all its turns, for a caller without interruptions (held-out eval).
-
-  Returns None when it cannot be finished as one consistent sample (aborted,
-  or the server holding its version was lost between turns): the caller runs
-  it again from scratch. The training path (``Orchestrator.rollout_member``)
-  has its own loop, which also resumes interrupted rollouts and audits.
-  """
-  partial: Trajectory | None = None
-  server: str | None = None
-  turn_start = 0
-  try:
-    while True:
-      try:
-        turn_budget = tools.turn_budget(turn_start, budget) if tools else budget
-        res = await dispatcher.run(prompt, prompt_tokens, member, turn_budget, tag=tag,
-                                   ignore_eos=ignore_eos, resume=partial,
-                                   stop_strings=tools.stop_strings if tools else (),
-                                   hold=hold if tools else "", server=server)
-      except VersionUnavailableError:
-        if server is None:
-          raise
-        return None
-      if tools is not None and hold and res.server:
-        server = res.server  # its version is held there now: next turn, and release
-      if res.finish_reason == "aborted":
-        return None
-      traj = to_trajectory(prompt, prompt_tokens, member, res, time.time())
-      traj.incarnation = res.incarnation
-      if partial is not None:
-        traj.context_spans, traj.tool_calls = partial.context_spans, partial.tool_calls
-      if tools is None or res.finish_reason != "stop":
-        return traj
-      if not await tools.take_turn(traj, turn_start, budget,
-                                   f"{tag}-{prompt.sample_id}-{member}"):
-        return traj
-      turn_start, partial = traj.num_completion_tokens, traj
-  finally:
-    if server is not None:
-      await dispatcher.release_hold(server, hold)
 
 
 async def recheck_tool_calls(records: list[dict[str, Any]], tools: ToolLoop, *, sample: int,

@@ -42,6 +42,42 @@ class IncarnationMismatchError(RolloutError):
   """
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumeParts:
+  """A completion so far, which a request continues: tokens, log-probs, version spans, routes.
+
+  The typed form of a request's ``resume_*`` fields (the wire keeps them
+  apart). The orchestrator builds one from its partial trajectory
+  (:meth:`request_fields`); the server derives one per request at admission
+  (:meth:`of`) and every result the request ends with starts with it.
+  """
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  spans: tuple[TokenSpan, ...] = ()
+  routing: np.ndarray | None = None
+
+  @classmethod
+  def of(cls, req: RolloutRequest) -> ResumeParts:
+    """A request's resume fields (none: empty). Raises ValueError when the log-probs
+    do not match the tokens."""
+    toks = (np.zeros((0,), np.int32) if req.resume_tokens is None
+            else np.asarray(req.resume_tokens, np.int32))
+    lps = (np.zeros((len(toks),), np.float32) if req.resume_logprobs is None
+           else np.asarray(req.resume_logprobs, np.float32))
+    if len(lps) != len(toks):
+      raise ValueError(f"resume_logprobs has {len(lps)} entries for {len(toks)} resume_tokens")
+    return cls(toks, lps, tuple(req.resume_spans), req.resume_routing)
+
+  def __len__(self) -> int:
+    return len(self.tokens)
+
+  def request_fields(self) -> dict[str, object]:
+    """The ``RolloutRequest`` fields that carry it (``RolloutRequest(..., **fields)``)."""
+    return dict(resume_tokens=self.tokens, resume_logprobs=self.logprobs,
+                resume_spans=tuple(self.spans), resume_routing=self.routing)
+
+
 @dataclasses.dataclass
 class RolloutRequest:
   """Generate up to ``max_new_tokens`` after ``prompt_tokens``.
