@@ -37,7 +37,9 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _procs import evaluate_versions  # pylint: disable=wrong-import-position
 from jax_dora.metrics import reward_curves as rc  # pylint: disable=wrong-import-position
 from jax_dora.metrics.jsonl import read_jsonl  # pylint: disable=wrong-import-position
 from jax_dora.report import headline  # pylint: disable=wrong-import-position
@@ -89,15 +91,9 @@ def train(seed: int, out: pathlib.Path, budget_s: float, overrides: list[str],
 def evaluate(run_dir: pathlib.Path, versions: list[int], num_prompts: int, samples: int,
              greedy: bool) -> dict[int, dict]:
   """``jax_dora.evaluate --steps`` of ``versions``: ``{version: metrics}``."""
-  out = run_dir / f"eval_{'greedy' if greedy else f't1x{samples}'}.json"
-  cmd = [sys.executable, "-m", "jax_dora.evaluate", f"--run_dir={run_dir}",
-         f"--steps={','.join(map(str, versions))}", f"--num_prompts={num_prompts}",
-         f"--num_samples={1 if greedy else samples}", f"--greedy={greedy}", f"--out={out}"]
-  proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-  if proc.returncode != 0:
-    sys.stderr.write(proc.stderr[-4000:])
-    raise SystemExit(f"evaluating {run_dir} failed with exit code {proc.returncode}")
-  return {o["step"]: o for o in json.loads(out.read_text())}
+  return evaluate_versions(run_dir, versions, num_prompts=num_prompts, num_samples=samples,
+                           greedy=greedy, env=_env(),
+                           out=run_dir / f"eval_{'greedy' if greedy else f't1x{samples}'}.json")
 
 
 _WORKED_LINE = re.compile(r"^\d+ [-+*/] \d+ = (\d+)$")
@@ -127,8 +123,7 @@ def miscopied_share(completions: list[str]) -> float | None:
 def curve(run_dir: pathlib.Path, budget_s: float, every_s: float, num_prompts: int,
           samples: int) -> list[dict]:
   recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-  timeline = rc.published_timeline(recs)
-  points = [(t, rc.version_at(timeline, t)) for t in rc.schedule(budget_s, every_s)]
+  points = rc.scheduled_versions(recs, budget_s, every_s)
   versions = sorted({v for _, v in points})
   sampled = evaluate(run_dir, versions, num_prompts, samples, greedy=False)
   greedy = evaluate(run_dir, versions, num_prompts, 1, greedy=True)

@@ -53,7 +53,6 @@ import os
 import pathlib
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,28 +62,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import modes as modes_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
+from _procs import evaluate_versions  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from jax_dora.metrics import reward_curves as rc  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DEFAULT_MODES = ("async_unfiltered", "dora", "dora_pace")
-
-
-def _evaluate(run_dir: pathlib.Path, versions: list[int], num_prompts: int, num_samples: int,
-              greedy: bool) -> dict[int, dict]:
-  """``jax_dora.evaluate --steps`` of ``versions`` in one process: ``{version: metrics}``."""
-  out = run_dir / ("eval_greedy.json" if greedy else "eval_steps.json")
-  proc = subprocess.run(
-      [sys.executable, "-m", "jax_dora.evaluate", f"--run_dir={run_dir}",
-       f"--steps={','.join(map(str, versions))}", f"--num_prompts={num_prompts}",
-       f"--num_samples={1 if greedy else num_samples}", f"--out={out}",
-       *(["--greedy"] if greedy else [])],
-      cwd=ROOT, env=modes_bench._env(), capture_output=True, text=True)  # pylint: disable=protected-access
-  with open(run_dir / "evaluate.log", "a") as log:
-    log.write(proc.stdout + proc.stderr)
-  if proc.returncode != 0:
-    sys.stderr.write(proc.stderr[-4000:])
-    raise SystemExit(f"evaluating {run_dir} failed with exit code {proc.returncode}")
-  return {o["step"]: o for o in json.loads(out.read_text())}
 
 
 def rows_per_step(run_dir: pathlib.Path) -> int:
@@ -107,14 +89,18 @@ def evaluate_curve(run_dir: pathlib.Path, until_s: float, every_s: float, num_pr
   the per-sample convergence axis).
   """
   recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-  timeline = rc.published_timeline(recs)
-  points = [(t, rc.version_at(timeline, t)) for t in rc.schedule(until_s, every_s)]
+  points = rc.scheduled_versions(recs, until_s, every_s)
   versions = sorted({v for _, v in points})
-  by_version = _evaluate(run_dir, versions, num_prompts, num_samples, greedy=False)
+  env = modes_bench._env()  # pylint: disable=protected-access
+  by_version = evaluate_versions(run_dir, versions, num_prompts=num_prompts,
+                                 num_samples=num_samples, greedy=False,
+                                 out=run_dir / "eval_steps.json", env=env)
   want_greedy = {v for t, v in points if any(abs(t - g) < 1e-6 for g in greedy_at)}
   if greedy_at:
     want_greedy.add(points[-1][1])
-  greedy = _evaluate(run_dir, sorted(want_greedy), num_prompts, 1, greedy=True) if want_greedy else {}
+  greedy = evaluate_versions(run_dir, sorted(want_greedy), num_prompts=num_prompts, num_samples=1,
+                             greedy=True, out=run_dir / "eval_greedy.json",
+                             env=env) if want_greedy else {}
   rows = rows_per_step(run_dir)
   curve = [{"t": t, "version": v, "reward": by_version[v]["eval/reward"],
             "stderr": by_version[v].get("eval/reward_stderr"), "trained_samples": v * rows,

@@ -76,9 +76,7 @@ def tool_use(completions: list[str]) -> dict[str, float | None]:
 def curve(run_dir: pathlib.Path, budget_s: float, every_s: float, num_prompts: int,
           samples: int) -> list[dict]:
   """Pass@1 and tool use at each scheduled point; greedy pass@1 at the last."""
-  recs = read_jsonl(run_dir / "metrics.jsonl")
-  timeline = rc.published_timeline(recs)
-  points = [(t, rc.version_at(timeline, t)) for t in rc.schedule(budget_s, every_s)]
+  points = rc.scheduled_versions(read_jsonl(run_dir / "metrics.jsonl"), budget_s, every_s)
   versions = sorted({v for _, v in points})
   sampled = rl_from_base.evaluate(run_dir, versions, num_prompts, samples, greedy=False)
   greedy = rl_from_base.evaluate(run_dir, [points[-1][1]], num_prompts, 1, greedy=True)

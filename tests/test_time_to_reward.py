@@ -80,6 +80,8 @@ def test_version_at_reads_published_versions_from_records():
   tl = rc.published_timeline(recs)
   assert tl == [(0.0, 0), (1.5, 1), (3.1, 3)]
   assert [rc.version_at(tl, t) for t in (0, 1.4, 1.5, 3.0, 3.1, 99)] == [0, 0, 1, 1, 3, 3]
+  # Scheduled points 0, 1, 2, 3 s of the same records: the version newest at each.
+  assert rc.scheduled_versions(recs, 3.0, 1.0) == [(0, 0), (1, 0), (2, 1), (3, 1)]
   assert rc.schedule(30, 10) == [0, 10, 20, 30]
   assert rc.schedule(25, 10) == [0, 10, 20]
 

@@ -58,6 +58,14 @@ def schedule(until_s: float, every_s: float) -> list[float]:
   return [round(k * every_s, 6) for k in range(n + 1)]
 
 
+def scheduled_versions(records: Iterable[dict[str, Any]], until_s: float, every_s: float
+                       ) -> list[tuple[float, int]]:
+  """``[(t, version), ...]``: the newest version published at each point of
+  :func:`schedule` (``0, every_s, ...`` up to ``until_s``), from a run's step records."""
+  timeline = published_timeline(records)
+  return [(t, version_at(timeline, t)) for t in schedule(until_s, every_s)]
+
+
 def time_to_target(curve: Curve, target: float) -> float | None:
   """The first scheduled time whose reward is >= ``target`` (None: never)."""
   for t, r in curve:
