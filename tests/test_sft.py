@@ -22,7 +22,7 @@ import pytest
 
 from jax_dora.config import ConfigError
 from jax_dora.data.files import DatasetError
-from jax_dora.data.sft import OVERLONG, SftRows, SftStream, pack_batch, read_sft_table, tokenize_rows
+from jax_dora.data.sft import OVERLONG, SftRow, SftRows, SftStream, pack_batch, read_sft_table, tokenize_rows
 from jax_dora.learner.losses import LossSettings, policy_loss
 from jax_dora.learner.train_state import batch_shapes
 
@@ -93,7 +93,7 @@ def test_sft_objective_is_the_masked_token_cross_entropy():
 def test_pack_batch_masks_the_prompt_by_hand():
   shapes = batch_shapes(2, 8)
   template = {k: np.zeros(s, d) for k, (s, d) in shapes.items()}
-  batch = pack_batch([(np.array([5, 6, 7, 8, 9], np.int32), 2)], template, pad_id=0)
+  batch = pack_batch([SftRow(np.array([5, 6, 7, 8, 9], np.int32), 2)], template, pad_id=0)
   np.testing.assert_array_equal(batch["inputs"][0], [5, 6, 7, 8, 0, 0, 0])
   np.testing.assert_array_equal(batch["targets"][0], [6, 7, 8, 9, 0, 0, 0])
   # Position 1 (token 6, the prompt's last) predicts 7, the first target token.
@@ -196,7 +196,7 @@ def test_sft_run_learns_exports_and_transformers_agrees(base, tmp_path):
   logits = np.where(np.asarray(run.policy.suppress_mask)[None], -np.inf, logits)
   ref = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
   ref_target = ref[np.arange(len(ids) - 1), ids[1:]]
-  batch = pack_batch([(np.asarray(ids, np.int32), len(prompt_ids))],
+  batch = pack_batch([SftRow(np.asarray(ids, np.int32), len(prompt_ids))],
                      run.learner.batch_template(run.cfg.sft.batch_size, 256), tok.pad_token_id)
   ours = run.learner.logprobs_under(run.learner.params, batch)[0]
   trained = batch["mask"][0] > 0

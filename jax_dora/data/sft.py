@@ -105,19 +105,22 @@ def encode_target(tokenizer: Any, target: str, observation_spans: ObservationSpa
   """
   if observation_spans is None:
     return np.asarray(tokenizer.encode_ids(target), np.int32), ()
-  pieces: list[np.ndarray] = []
-  spans: list[tuple[int, int]] = []
-  at, n = 0, offset
+  pieces: list[tuple[str, bool]] = []  # (text, is it an observation)
+  at = 0
   for start, end in sorted(observation_spans(target)):
-    for text, is_observation in ((target[at:start], False), (target[start:end], True)):
-      ids = np.asarray(tokenizer.encode_ids(text) if text else [], np.int32)
-      if is_observation:
-        spans.append((n, n + len(ids)))
-      pieces.append(ids)
-      n += len(ids)
+    pieces += [(target[at:start], False), (target[start:end], True)]
     at = end
-  pieces.append(np.asarray(tokenizer.encode_ids(target[at:]) if target[at:] else [], np.int32))
-  return np.concatenate(pieces).astype(np.int32), tuple(spans)
+  pieces.append((target[at:], False))
+  ids: list[np.ndarray] = []
+  spans: list[tuple[int, int]] = []
+  n = offset
+  for text, is_observation in pieces:
+    part = np.asarray(tokenizer.encode_ids(text) if text else [], np.int32)
+    if is_observation:
+      spans.append((n, n + len(part)))
+    ids.append(part)
+    n += len(part)
+  return np.concatenate(ids).astype(np.int32), tuple(spans)
 
 
 def tokenize_rows(table: RecordTable, tokenizer: Any, max_seq_len: int,
@@ -156,8 +159,7 @@ def tokenize_rows(table: RecordTable, tokenizer: Any, max_seq_len: int,
   if not tokens:
     raise DatasetError(f"no SFT row fits model.max_seq_len={max_seq_len} tokens"
                        f" (skipped: {dict(skipped)})")
-  return SftRows(tokens, prompt_lens, texts, {k: v for k, v in skipped.items() if v},
-                 contexts if observation_spans is not None else [])
+  return SftRows(tokens, prompt_lens, texts, {k: v for k, v in skipped.items() if v}, contexts)
 
 
 def pack_batch(rows: Sequence[SftRow], template: dict[str, np.ndarray],
@@ -175,8 +177,7 @@ def pack_batch(rows: Sequence[SftRow], template: dict[str, np.ndarray],
   seq = out["inputs"].shape[1] + 1
   out["inputs"][...] = pad_id
   out["targets"][...] = pad_id
-  for b, row in enumerate(rows):
-    ids, n_prompt = row[0], row[1]
+  for b, (ids, n_prompt, context_spans) in enumerate(rows):
     n = len(ids)
     if n > seq:
       raise ValueError(f"row of {n} tokens in a batch of length {seq}")
@@ -186,7 +187,7 @@ def pack_batch(rows: Sequence[SftRow], template: dict[str, np.ndarray],
     # Target position t predicts token t + 1: the first trained one is the
     # first target token, predicted from the prompt's last position.
     out["mask"][b, n_prompt - 1:n - 1] = 1.0
-    for start, end in (row[2] if len(row) > 2 else ()):
+    for start, end in context_spans:
       out["mask"][b, start - 1:end - 1] = 0.0  # tokens the tool wrote are not predicted
     out["advantages"][b] = 1.0
   return out
@@ -194,7 +195,7 @@ def pack_batch(rows: Sequence[SftRow], template: dict[str, np.ndarray],
 
 def bucket_length(rows: Sequence[SftRow], buckets: list[int]) -> int:
   """The smallest length bucket that holds the longest row (the learner's shapes)."""
-  longest = max(len(row[0]) for row in rows)
+  longest = max(len(row.ids) for row in rows)
   for b in buckets:
     if b >= longest:
       return b

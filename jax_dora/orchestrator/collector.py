@@ -105,6 +105,16 @@ class TrajectoryCollector:
     partial: Trajectory | None = None
     server: str | None = None  # holds the trajectory's version between turns
     turn_start = foreign = 0
+
+    async def start_over(why: str) -> None:
+      # The hold of the abandoned attempt is released (best effort: its server may be
+      # gone), so a fresh first turn on that server does not take its old version over.
+      nonlocal partial, server, turn_start
+      self._restart(prompt, member, why)
+      if server is not None:
+        await self.dispatcher.release_hold(server, hold)
+      partial, server, turn_start = None, None, 0
+
     try:
       while True:
         try:
@@ -116,22 +126,21 @@ class TrajectoryCollector:
         except VersionUnavailableError as e:
           if server is None:
             raise
-          self._restart(prompt, member, f"multi-turn: {e}")
-          partial, server, turn_start = None, None, 0
+          await start_over(f"multi-turn: {e}")
           continue
+        if hold and result.server:
+          server = result.server  # its version is held there now: next turn, and release
         why = self._check(result) if self._check is not None else None
         if why is not None:
           # Servers refuse requests of another incarnation, so this is a server
           # bug or a stale server: never train on it; start over (bounded).
           foreign += 1
-          self._restart(prompt, member, why)
           if foreign >= MAX_FOREIGN_RESULTS:
+            self._restart(prompt, member, why)
             raise RuntimeError(f"sample {prompt.sample_id}-{member}: {why} ({foreign} times)")
-          partial, server, turn_start = None, None, 0
+          await start_over(why)
           continue
         traj = self._continue(prompt, prompt_tokens, member, result, partial, submit)
-        if hold and result.server:
-          server = result.server  # its version is held there now: next turn, and release
         if tools is not None and traj.finish_reason == "stop":
           if not await tools.take_turn(traj, turn_start, budget,
                                        f"{self.tag}-{prompt.sample_id}-{member}",
@@ -142,8 +151,7 @@ class TrajectoryCollector:
         if traj.finish_reason != "aborted" or on_abort == "return" or stopping():
           return traj
         if on_abort == "restart":
-          self._restart(prompt, member, "aborted")
-          partial, server, turn_start = None, None, 0
+          await start_over("aborted")
           continue
         partial = traj
         if before_resume is not None:

@@ -220,7 +220,7 @@ class RolloutDriver:
 
   def _has_work_locked(self) -> bool:
     if (self._aborts or self.versions.switch_to is not None or self._pending_step is not None
-        or self.slots.active() or self.holds.due_for_check()):
+        or self.slots.any_occupied() or self.holds.due_for_check()):
       return True
     return bool(self._queue) and (self.store.admitting or self.store.pending is not None)
 

@@ -65,8 +65,6 @@ class EnginePlacement:
     self.param_sharding = self._param_sharding(stacked=False)
     self.program_param_sharding = self._param_sharding(stacked=self.scan_layers)
     self.state = self.decode_state_sharding(self.slot_axis)
-    # One slot (JetStream's single-prompt prefill): rows replicated.
-    self.one_slot_state = self.decode_state_sharding(None)
     cache = NamedSharding(self.mesh, P(None, None, self.heads_axis))
     r = self.replicated
     self.prefix = Prefix(cache=KVCache(k=cache, v=cache), token=r, logprob=r, true_length=r,

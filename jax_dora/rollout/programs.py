@@ -51,10 +51,10 @@ class EnginePrograms:
     # Several live versions: one dispatch per version's pass (a program per
     # pass size x decode length, whatever the number of versions), each
     # updating the donated accumulators in place, then one commit.
-    acc = placement.step_accumulators(routed=steps.routing_shape is not None)
-    self._empty_acc = jax.jit(steps.empty_acc, out_shardings=acc)
+    self._acc_sharding = placement.step_accumulators(routed=steps.routing_shape is not None)
+    self._empty_acc = jax.jit(steps.empty_acc, out_shardings=self._acc_sharding)
     self._pass = jax.jit(steps.decode_pass, static_argnames=("size", "bound"),
-                         donate_argnums=(2,), out_shardings=acc)
+                         donate_argnums=(2,), out_shardings=self._acc_sharding)
     self._finish = jax.jit(steps.finish_step, donate_argnums=(0,), out_shardings=result)
     self._init = jax.jit(steps.init_state, static_argnums=(1,), out_shardings=st)
     self._free = jax.jit(steps.free, donate_argnums=(0,), out_shardings=st)
@@ -103,8 +103,7 @@ class EnginePrograms:
     for bound in self.buckets.decode_lengths:
       self.lower_decode(bound).compile()
     if int(max_versions) > 1:
-      acc = _with_shardings(jax.eval_shape(self.steps.empty_acc, state),
-                            self.placement.step_accumulators(self.steps.routing_shape is not None))
+      acc = _with_shardings(jax.eval_shape(self.steps.empty_acc, state), self._acc_sharding)
       self._empty_acc.lower(state).compile()
       for size in self.buckets.pass_rows:
         for bound in self.buckets.decode_lengths:
