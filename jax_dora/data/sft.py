@@ -115,7 +115,8 @@ def encode_target(tokenizer: Any, target: str, observation_spans: ObservationSpa
   spans: list[tuple[int, int]] = []
   n = offset
   for text, is_observation in pieces:
-    part = np.asarray(tokenizer.encode_ids(text) if text else [], np.int32)
+    encode = tokenizer.encode_text if is_observation else tokenizer.encode_ids
+    part = np.asarray(encode(text) if text else [], np.int32)
     if is_observation:
       spans.append((n, n + len(part)))
     ids.append(part)

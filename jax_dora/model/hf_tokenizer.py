@@ -140,6 +140,17 @@ class HFTokenizer(PolicyTokenizer):
     """Plain text, no special tokens, no template."""
     return np.asarray(self._tok(s, add_special_tokens=False)["input_ids"], np.int32)
 
+  def encode_text(self, s: str) -> np.ndarray:
+    """Untrusted text: special-token strings are split into ordinary tokens.
+
+    transformers' ``split_special_tokens`` (the ``tokenizers`` library's
+    ``encode_special_tokens``) tokenises ``<|im_end|>`` in a tool's output as
+    the characters it is, so it decodes back to the same text and can neither
+    stop the trajectory nor open a forged turn.
+    """
+    return np.asarray(
+        self._tok(s, add_special_tokens=False, split_special_tokens=True)["input_ids"], np.int32)
+
   def render_prompt(self, text: str) -> str:
     """The prompt string the model sees (chat template applied, suffix added)."""
     content = text + self.prompt_suffix

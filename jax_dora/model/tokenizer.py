@@ -43,6 +43,18 @@ class PolicyTokenizer(tokenizer_api.Tokenizer):
   def encode_ids(self, s: str) -> np.ndarray:
     """int32 ids of ``s`` alone: no BOS/EOS, no template, no padding."""
 
+  def encode_text(self, s: str) -> np.ndarray:
+    """int32 ids of untrusted text (a tool's output): every character stays text.
+
+    ``encode_ids`` maps a special token's string (``<|im_end|>``) to its id, as a
+    prompt or an SFT target written by us may want; text a tool or model-written
+    program printed must not forge a stop token or a turn boundary, so a
+    tokenizer whose special tokens are reachable from text overrides this to
+    split them into ordinary pieces. The default suits a vocabulary whose
+    special ids no string reaches (the character tokenizer's).
+    """
+    return self.encode_ids(s)
+
   def encode(
       self,
       s: str,

@@ -168,18 +168,19 @@ class ToolLoop:
     return min(budget, turn_start + self.max_turn_tokens)
 
   def _encode(self, text: str) -> np.ndarray:
-    """``text``'s ids; characters a closed vocabulary lacks (the tiny model's) become ``?``."""
+    """``text``'s ids as untrusted text (special-token strings stay text: ``encode_text``);
+    characters a closed vocabulary lacks (the tiny model's) become ``?``."""
     try:
-      return np.asarray(self.tokenizer.encode_ids(text), np.int32).reshape(-1)
+      return np.asarray(self.tokenizer.encode_text(text), np.int32).reshape(-1)
     except ValueError:
       def ok(c: str) -> bool:
         try:
-          self.tokenizer.encode_ids(c)
+          self.tokenizer.encode_text(c)
           return True
         except ValueError:
           return False
       safe = "".join(c if ok(c) else "?" for c in text)
-      return np.asarray(self.tokenizer.encode_ids(safe), np.int32).reshape(-1)
+      return np.asarray(self.tokenizer.encode_text(safe), np.int32).reshape(-1)
 
   def observation_ids(self, observation: str) -> tuple[np.ndarray, bool]:
     """The wrapped observation's ids, cut to the budget (the cut says so)."""
