@@ -259,6 +259,42 @@ async def test_sigstopped_server_is_taken_down_and_readmitted(proc, engine, snap
     b.driver.stop()
 
 
+async def test_a_group_stays_on_one_server_while_it_has_room(proc, engine, snapshot_dir):
+  """A GRPO group's members go to the server its first member went to (so the shared
+  prompt is prefilled once, there) while that server has a free slot; past its slots a
+  member falls back to the least-loaded server, and both are counted (issue 39 item 4)."""
+  b = await _InProc(engine, snapshot_dir, "affinity-b").start()
+  ca = GrpcRolloutClient(proc.address, timeout_s=5)
+  cb = GrpcRolloutClient(b.address, timeout_s=5)
+  d = Dispatcher([ca, cb], **_FAST)
+  kept, fell_back = "dispatch/group_affinity_kept_total", "dispatch/group_affinity_fallbacks_total"
+  try:
+    await d.broadcast_version(_VERSION)
+    await _until(lambda: all(s["total_slots"] == _SLOTS for s in d.server_states()),
+                 what="both servers' slot counts")
+
+    async def group(p: Prompt, members: int) -> list[str]:
+      res = await asyncio.wait_for(
+          asyncio.gather(*(d.run(p, _tokens(p), m, _MAX_NEW) for m in range(members))), 60)
+      _check_complete(res, _VERSION)
+      return [r.server for r in res]
+
+    # Two groups of _SLOTS members at once: least-loaded routing alone alternates the
+    # servers member by member (a, b, a, b), splitting both groups.
+    s0, s1 = await asyncio.gather(group(_prompt(500), _SLOTS), group(_prompt(501), _SLOTS))
+    assert len(set(s0)) == 1 and len(set(s1)) == 1 and s0[0] != s1[0], (s0, s1)
+    assert d.group_affinity_counts() == {kept: 2, fell_back: 0}
+    # One member more than a server has slots: the last one goes to the other server.
+    s2 = await group(_prompt(502), _SLOTS + 1)
+    assert s2[0] == s2[1] != s2[2], s2
+    assert d.group_affinity_counts() == {kept: 3, fell_back: 1}
+  finally:
+    await d.close()
+    await asyncio.gather(ca.close(), cb.close())
+    await b.stop()
+    b.driver.stop()
+
+
 async def test_killed_server_restarted_at_same_address(proc, engine, snapshot_dir, params):
   """SIGKILL, restart at the same port: re-admitted after loading the current
   version and counted as a restart; one restart more than max_restarts retires it."""

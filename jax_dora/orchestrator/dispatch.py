@@ -59,6 +59,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from jax_dora.orchestrator.group_affinity import GroupAffinity
 from jax_dora.rollout.api import (
     ResumeParts,
     RolloutClient,
@@ -107,10 +108,16 @@ class _ServerSlot:
   down: asyncio.Future | None = None
   poke: asyncio.Event | None = None  # wakes the monitor (a request failed)
   task: asyncio.Task | None = None  # the monitor
+  total_slots: int | None = None  # decode slots, from its Health answer (None: not known)
 
   @property
   def alive(self) -> bool:
     return self.state == UP
+
+  @property
+  def has_room(self) -> bool:
+    """A free decode slot (as far as the dispatcher knows): a new request starts at once."""
+    return self.total_slots is None or self.in_flight < self.total_slots
 
 
 class Dispatcher:
@@ -178,6 +185,8 @@ class Dispatcher:
     self._rng = random.Random(seed)
     self._ids = itertools.count()
     self._active: dict[str, _ServerSlot] = {}
+    # A GRPO group's members prefer the server its first member went to.
+    self._affinity: GroupAffinity[_ServerSlot] = GroupAffinity()
     # Newest version broadcast: what a (re-)admitted server must hold.
     self._version: int | None = None
     # The run incarnation every load and request names (jax_dora.snapshots).
@@ -205,15 +214,25 @@ class Dispatcher:
     return self._version
 
   def server_states(self) -> list[dict[str, Any]]:
-    """One dict per server: name, state, why, restarts, blips, in_flight, instance."""
+    """One dict per server: name, state, why, restarts, blips, in_flight, instance, total_slots."""
     return [
         {"name": s.client.name, "state": s.state, "why": s.why, "restarts": s.restarts,
-         "blips": s.blips, "in_flight": s.in_flight, "instance": s.instance}
+         "blips": s.blips, "in_flight": s.in_flight, "instance": s.instance,
+         "total_slots": s.total_slots}
         for s in self._servers
     ]
 
-  def _pick(self, avoid: _ServerSlot | None = None) -> _ServerSlot | None:
-    """The least-loaded admitted server (another than ``avoid`` if possible)."""
+  def group_affinity_counts(self) -> dict[str, int]:
+    """Members kept on their group's server and members that fell back (cumulative)."""
+    return self._affinity.counts()
+
+  def _pick(self, avoid: _ServerSlot | None = None,
+            group: tuple[str, int] | None = None) -> _ServerSlot | None:
+    """The group's home server while it is admitted, not ``avoid`` and has a free slot;
+    otherwise the least-loaded admitted server (another than ``avoid`` if possible)."""
+    home = self._affinity.home(group)
+    if home is not None and home.state == UP and home is not avoid and home.has_room:
+      return home
     up = [s for s in self._servers if s.state == UP]
     pool = [s for s in up if s is not avoid] or up
     return min(pool, key=lambda s: s.in_flight) if pool else None
@@ -384,6 +403,8 @@ class Dispatcher:
                           f" max_restarts={self._max_restarts}")
           return 0.0
       s.instance = inst
+    if info.get("total_slots"):
+      s.total_slots = int(info["total_slots"])
     if s.state == UP:
       tokens = info.get("generated_tokens")
       if tokens is not None:
@@ -520,14 +541,14 @@ class Dispatcher:
     )
 
   # --------------------------------------------------------------- routing
-  async def _acquire(self, abort_gen: int | None,
-                     avoid: _ServerSlot | None) -> _ServerSlot | None:
-    """An admitted server; waits while there is none. None once aborted
-    (``abort_gen=None``: a request ``abort_all`` never aborts)."""
+  async def _acquire(self, abort_gen: int | None, avoid: _ServerSlot | None,
+                     group: tuple[str, int] | None = None) -> _ServerSlot | None:
+    """An admitted server (the group's home when it has room); waits while there is
+    none. None once aborted (``abort_gen=None``: a request ``abort_all`` never aborts)."""
     while True:
       if abort_gen is not None and self._abort_gen != abort_gen:
         return None
-      s = self._pick(avoid)
+      s = self._pick(avoid, group)
       if s is not None:
         return s
       if all(x.state == RETIRED for x in self._servers):
@@ -596,8 +617,9 @@ class Dispatcher:
     attempts = 0
     failed_on: _ServerSlot | None = None
     retry_at = 0.0
+    group = (tag, prompt.sample_id)  # the GRPO group: its members share one prompt
     while True:
-      s = await self._acquire(abort_gen, failed_on)
+      s = await self._acquire(abort_gen, failed_on, group)
       if s is None:
         return self._aborted(f"{tag}-{prompt.sample_id}-{member}-aborted", resume)
       if s is failed_on and self._loop.time() < retry_at:
@@ -606,6 +628,7 @@ class Dispatcher:
         continue
       rid = f"{tag}-{prompt.sample_id}-{member}-{next(self._ids)}"
       req = self._request(rid, prompt_tokens, max_new_tokens, version, resume, ignore_eos, **extra)
+      self._affinity.started(group, s)
       try:
         return await self._attempt(s, req)
       except VersionUnavailableError:
@@ -620,6 +643,8 @@ class Dispatcher:
           self._on_reissue(prompt.sample_id, member, str(e))
         log.warning("request %s failed on %s (%s); re-issuing", rid, s.client.name, e)
         failed_on, retry_at = s, self._loop.time() + self._retry_delay(attempts)
+      finally:
+        self._affinity.finished(group)
 
   async def _attempt(self, s: _ServerSlot, req: RolloutRequest) -> RolloutResult:
     """``req`` on ``s``, counted in flight (and reachable by ``abort_all``) while it runs;

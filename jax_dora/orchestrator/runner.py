@@ -529,6 +529,7 @@ class Orchestrator:
   async def after_learner_step(self, rec: dict[str, Any]) -> None:
     """Telemetry, eval, metrics, callbacks, progress and checkpoint of one step."""
     rec.update(await self._telemetry.sample(self.dispatcher.live_clients))
+    rec.update(self.dispatcher.group_affinity_counts())
     step = rec["step"]
     every = self.cfg.eval.every_steps
     if every > 0 and (step % every == 0 or step == self.cfg.total_steps):

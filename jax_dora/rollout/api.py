@@ -192,6 +192,7 @@ def health_reply(name: str, instance: str, status: ServerStatus) -> dict:
       "newest_version": status.newest_version,
       "generated_tokens": int(status.generated_tokens),
       "active_slots": int(status.active_slots),
+      "total_slots": int(status.total_slots),
       "queued_requests": int(status.queued_requests),
       "incarnation": status.incarnation,
   }
