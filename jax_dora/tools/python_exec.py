@@ -2,7 +2,8 @@
 
 Each call gets a fresh sandbox (``sandbox.py``: new namespaces, a read-only
 allowlisted root, a private tmpfs working directory, an unprivileged uid of
-its own, rlimits), a wall-clock deadline after which the whole tree is
+its own when the orchestrator is root or a user namespace of its own when it
+is not, rlimits), a wall-clock deadline after which the whole tree is
 SIGKILLed, and an output budget (``output.py``). Nothing is shared between
 calls: no interpreter state, no files. That costs a process start per call
 (see DESIGN.md for the measured overhead) and buys independence: a call
@@ -82,8 +83,9 @@ class PythonTool:
     limits: Per-call resource limits.
     max_output_bytes: Observation budget (stdout and stderr together, in the
       order written); the middle of a longer output is cut.
-    isolation: ``"namespaces"``, ``"process"`` or ``"auto"`` (namespaces
-      when this host allows them, checked by one real call, else process).
+    isolation: ``"namespaces"``, ``"userns"``, ``"process"`` or ``"auto"``:
+      ``namespaces`` as root, ``userns`` otherwise, when the host allows them
+      (checked by one real call), else ``process``.
     python: Interpreter to run (default: this process's, so the sandbox has
       the run's packages, e.g. numpy and sympy, read-only).
     protected: Paths the code must not read (the run's output directory).
@@ -109,10 +111,10 @@ class PythonTool:
   ):
     if isolation not in sandbox.ISOLATIONS + (AUTO,):
       raise ValueError(f"unknown isolation {isolation!r}; known: {sandbox.ISOLATIONS + (AUTO,)}")
-    if isolation == sandbox.NAMESPACES:
-      reason = sandbox.namespace_prerequisites()
+    if isolation in sandbox.NAMESPACED:
+      reason = sandbox.namespace_prerequisites(isolation)
       if reason:
-        raise ValueError(f"isolation 'namespaces' is not available here: {reason}")
+        raise ValueError(f"isolation {isolation!r} is not available here: {reason}")
     if max_output_bytes <= 0:
       raise ValueError(f"max_output_bytes must be > 0, got {max_output_bytes}")
     self.limits = limits or sandbox.Limits()
@@ -142,15 +144,17 @@ class PythonTool:
       self._probe_lock = asyncio.Lock()
     async with self._probe_lock:
       if self.isolation is None:
-        reason = sandbox.namespace_prerequisites()
+        # Root builds the sandbox directly; anybody else in a user namespace of its own.
+        candidate = sandbox.NAMESPACES if os.geteuid() == 0 else sandbox.USERNS
+        reason = sandbox.namespace_prerequisites(candidate)
         if reason is None:
           trial = await self._run_isolated(
-              base.ToolCall("python", "print('ok')"), sandbox.NAMESPACES, time.monotonic(),
+              base.ToolCall("python", "print('ok')"), candidate, time.monotonic(),
               dataclasses.replace(self.limits, wall_s=max(self.limits.wall_s, 10.0)))
           if trial.status != base.OK or trial.observation.strip() != "ok":
             reason = f"a trial call failed ({trial.status}): {trial.observation[:500]}"
         if reason is None:
-          self.isolation, self.isolation_note = sandbox.NAMESPACES, "namespaces work here"
+          self.isolation, self.isolation_note = candidate, f"{candidate} work here"
         else:
           self.isolation, self.isolation_note = sandbox.PROCESS, reason
           _log.warning("python tool: OS sandbox unavailable (%s); falling back to "
@@ -188,10 +192,10 @@ class PythonTool:
     slot = self._take_slot()
     workdir = None
     try:
-      if isolation == sandbox.NAMESPACES:
+      if isolation in sandbox.NAMESPACED:
         argv = sandbox.namespace_argv(self.python, limits, self.uid_base + slot,
                                       self._root_mount_point(), self.readonly, self.protected,
-                                      token)
+                                      token, user_namespace=isolation == sandbox.USERNS)
         cwd, env, stdin = "/", sandbox.environment("/tmp"), asyncio.subprocess.PIPE
       else:
         workdir = tempfile.mkdtemp(prefix="jax-dora-tool-")
@@ -206,7 +210,7 @@ class PythonTool:
       except OSError as e:
         return base.ToolResult(f"[sandbox error: could not start: {e}]", base.SANDBOX_ERROR,
                                wall_s=time.monotonic() - start)
-      code_in = code if isolation == sandbox.NAMESPACES else None
+      code_in = code if isolation in sandbox.NAMESPACED else None
       return await self._supervise(proc, isolation, code_in, start, limits, token)
     finally:
       self._free_slots.append(slot)
@@ -263,12 +267,12 @@ class PythonTool:
     signum = None
     if rc is not None and rc < 0:
       signum = -rc
-    elif rc is not None and isolation == sandbox.NAMESPACES and 128 < rc <= 128 + 64:
+    elif rc is not None and isolation in sandbox.NAMESPACED and 128 < rc <= 128 + 64:
       signum = rc - 128  # sandbox_init reports a child killed by signal N as 128 + N
     if timed_out:
       status, note = base.TIMEOUT, (f"timed out: no result within {limits.wall_s:g} s; "
                                     "the program was killed")
-    elif (isolation == sandbox.NAMESPACES and rc == sandbox.SETUP_FAILED_EXIT_CODE
+    elif (isolation in sandbox.NAMESPACED and rc == sandbox.SETUP_FAILED_EXIT_CODE
           and text.startswith(f"{sandbox.SETUP_FAILED} [{token}]")):
       _log.error("python tool: %s", text.strip())
       status, note, text = base.SANDBOX_ERROR, "sandbox error: the sandbox could not start", ""

@@ -20,7 +20,18 @@ Two ways to run the interpreter, chosen once per tool (see
   it (and ``unshare``, whose death sends it SIGKILL) ends the whole call.
   Every mount lives in the call's mount namespace and disappears with it.
 
-``process`` (fallback, e.g. not root, or namespaces forbidden in a container):
+``userns`` (not root, and the kernel allows unprivileged user namespaces):
+  the same sandbox in a new *user* namespace first (``unshare --user
+  --map-root-user``): the caller's own uid becomes root inside it, which is
+  what mounting the new root needs, and nothing outside it. The program runs
+  as that uid (the namespace maps no other, so there is no separate uid per
+  call): on the host it is the orchestrator's own user, but in the private
+  root it sees only the allowlist, holds no capability (bounding set emptied,
+  ``no_new_privs``) and has no network, as above. ``max_processes`` counts
+  the call's processes in its own user namespace (Linux counts a user's
+  processes per user namespace), so it stays a per-call limit.
+
+``process`` (fallback, e.g. namespaces forbidden in a container):
   the interpreter runs as the orchestrator's own user in a fresh temporary
   directory, in its own session, with the same rlimits; an audit hook
   (``sandbox_runner``) refuses sockets, process creation, signals, writes
@@ -47,8 +58,11 @@ import types
 from jax_dora.tools import sandbox_init, sandbox_runner
 
 NAMESPACES = "namespaces"
+USERNS = "userns"
 PROCESS = "process"
-ISOLATIONS = (NAMESPACES, PROCESS)
+ISOLATIONS = (NAMESPACES, USERNS, PROCESS)
+# The isolations whose call runs under sandbox_init as PID 1 of new namespaces.
+NAMESPACED = (NAMESPACES, USERNS)
 
 SETUP_FAILED_EXIT_CODE = sandbox_init.SETUP_FAILED_EXIT_CODE
 SETUP_FAILED = sandbox_init.SETUP_FAILED
@@ -95,7 +109,7 @@ class Limits:
     """What ``sandbox_runner`` sets on itself."""
     out = {"cpu_s": self.cpu_s, "memory_bytes": self.memory_bytes,
            "max_file_bytes": self.max_file_bytes, "max_open_files": self.max_open_files}
-    if isolation == NAMESPACES:
+    if isolation in NAMESPACED:
       out["max_processes"] = self.max_processes
     return out
 
@@ -145,20 +159,27 @@ def readonly_paths(python: str, extra: tuple[str, ...] = ()) -> list[str]:
   return paths
 
 
-def namespace_prerequisites() -> str | None:
-  """Why the ``namespaces`` isolation cannot work here, or None if it may.
+def namespace_prerequisites(isolation: str = NAMESPACES) -> str | None:
+  """Why ``isolation`` (``namespaces`` or ``userns``) cannot work here, or None if it may.
 
   Only the cheap checks; the tool confirms with one real call.
   """
   if not sys.platform.startswith("linux"):
     return f"not Linux ({sys.platform})"
-  if os.geteuid() != 0:
+  if isolation == NAMESPACES and os.geteuid() != 0:
     return "not root (mounting and changing uid need it)"
   missing = [t for t in _COMMANDS if shutil.which(t) is None]
   if missing:
     return f"missing commands: {missing}"
   if not os.path.exists("/proc/self/ns/net"):
     return "no namespace support in /proc"
+  if isolation == USERNS:
+    try:
+      with open("/proc/sys/user/max_user_namespaces", encoding="ascii") as f:
+        if int(f.read()) <= 0:
+          return "user namespaces are disabled (user.max_user_namespaces = 0)"
+    except (OSError, ValueError):
+      return "no /proc/sys/user/max_user_namespaces"
   return None
 
 
@@ -170,19 +191,24 @@ def runner_args(isolation: str, limits: Limits, workdir: str,
 
 
 def namespace_argv(python: str, limits: Limits, uid: int, root: str, readonly: list[str],
-                   protected: tuple[str, ...], token: str) -> list[str]:
+                   protected: tuple[str, ...], token: str,
+                   user_namespace: bool = False) -> list[str]:
   """``unshare`` ... ``sandbox_init`` as PID 1 ... the interpreter, for one call.
 
   ``root`` is an empty host directory the new root is mounted on (inside the
   call's mount namespace only, so any number of calls share it); ``token``
-  marks the setup's own failure messages (see ``sandbox_init``).
+  marks the setup's own failure messages (see ``sandbox_init``). With
+  ``user_namespace`` (the ``userns`` isolation) the namespaces sit in a new
+  user namespace where the caller is root, and the program keeps that single
+  mapped uid (``uid`` is ignored).
   """
   hide = [os.path.abspath(p) for p in protected
           if any(_inside(os.path.abspath(p), r) for r in readonly)]
-  cfg = {"root": root, "uid": uid, "token": token, "size": limits.tmp_bytes,
-         "readonly": readonly, "hide": hide,
+  cfg = {"root": root, "uid": 0 if user_namespace else uid, "change_uid": not user_namespace,
+         "token": token, "size": limits.tmp_bytes, "readonly": readonly, "hide": hide,
          "argv": [python, "-I", "-B"] + runner_args(NAMESPACES, limits, sandbox_init.WORKDIR, ())}
-  return [shutil.which("unshare"), "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
+  user = ["--user", "--map-root-user"] if user_namespace else []
+  return [shutil.which("unshare"), *user, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
           "--kill-child", "--propagation", "private", "--",
           python, "-I", "-S", "-B", "-c", source(sandbox_init), json.dumps(cfg)]
 
@@ -232,7 +258,7 @@ def _signal(kill_fn, target: int) -> None:
 
 
 def kill_now(proc: asyncio.subprocess.Process, isolation: str, wait_fds: bool = False) -> list[int]:
-  """SIGKILLs the call's process group and, for ``namespaces``, its PID 1.
+  """SIGKILLs the call's process group and, for the namespaced isolations, its PID 1.
 
   Synchronous (``close`` uses it too). With ``wait_fds``, returns pidfds of
   the namespace's PID 1 (opened before the signal, so its pid cannot be
@@ -240,7 +266,7 @@ def kill_now(proc: asyncio.subprocess.Process, isolation: str, wait_fds: bool = 
   empty once it is gone.
   """
   fds = []
-  if isolation == NAMESPACES:
+  if isolation in NAMESPACED:
     if proc.returncode is not None:
       return fds  # unshare waited for PID 1, whose exit emptied the namespace
     for child in _child_pids(proc.pid):

@@ -118,15 +118,23 @@ def build_root(root: str, uid: int, size: int, readonly: list[str], hide: list[s
   _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _drop_privileges(uid: int) -> None:
+def _drop_privileges(uid: int, change_uid: bool = True) -> None:
   """No capabilities (bounding set emptied first: that needs CAP_SETPCAP), no
-  way to regain any (``no_new_privs``), then an unprivileged uid and gid."""
+  way to regain any (``no_new_privs``), then an unprivileged uid and gid.
+
+  In a user namespace (``change_uid`` false) the only mapped uid is the
+  caller's, so the program keeps it: changing the uid (even to itself) drops
+  every effective capability, and ``setgroups`` is denied there anyway.
+  """
   with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as f:
     last = int(f.read())
   for cap in range(last + 1):
     _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
   if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
     raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+  if not change_uid:
+    _clear_capabilities()
+    return
   os.setgroups([])
   os.setresgid(uid, uid, uid)
   os.setresuid(uid, uid, uid)
@@ -134,11 +142,30 @@ def _drop_privileges(uid: int) -> None:
     raise OSError("the uid did not change")
 
 
+class _CapHeader(ctypes.Structure):
+  _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+  _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+              ("inheritable", ctypes.c_uint32)]
+
+
+def _clear_capabilities() -> None:
+  """Empties the effective, permitted and inheritable sets (``capset``). Without a uid
+  change nothing else clears them, and an exec as (namespace) root grants the
+  permitted set from the bounding set (emptied) *and* the inheritable set."""
+  header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+  data = (_CapData * 2)()
+  if _libc.capset(ctypes.byref(header), data) != 0:
+    raise OSError(ctypes.get_errno(), "capset")
+
+
 def _fail(token: str, what: str) -> None:
   print(f"{SETUP_FAILED} [{token}]: {what}", file=sys.stderr, flush=True)
 
 
-def _start(root: str, uid: int, argv: list[str], token: str) -> int:
+def _start(root: str, uid: int, argv: list[str], token: str, change_uid: bool = True) -> int:
   """Forks the program's process: chroot, drop privileges, exec."""
   pid = os.fork()
   if pid:
@@ -149,7 +176,7 @@ def _start(root: str, uid: int, argv: list[str], token: str) -> int:
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    _drop_privileges(uid)
+    _drop_privileges(uid, change_uid)
     os.execv(argv[0], argv)
   except BaseException as e:  # pylint: disable=broad-exception-caught
     _fail(token, f"{type(e).__name__}: {e}")
@@ -164,7 +191,7 @@ def main(argv: list[str]) -> int:
   except OSError as e:
     _fail(cfg["token"], str(e))
     return SETUP_FAILED_EXIT_CODE
-  child = _start(cfg["root"], cfg["uid"], cfg["argv"], cfg["token"])
+  child = _start(cfg["root"], cfg["uid"], cfg["argv"], cfg["token"], cfg["change_uid"])
   while True:  # PID 1 inherits every orphan: reap them until the program ends
     pid, status = os.waitpid(-1, 0)
     if pid == child:
