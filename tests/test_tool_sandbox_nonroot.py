@@ -12,6 +12,7 @@ ChatML tokenizer's observation encoding as in ``test_hostile_observations``.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
@@ -68,7 +69,7 @@ _SCRIPT = textwrap.dedent('''
       out = {"isolation": await tool.resolve_isolation(), "note": tool.isolation_note}
       for name, code in calls.items():
         r = await tool.run(ToolCall("python", code))
-        out[name] = [r.status, r.observation, round(r.wall_s, 2)]
+        out[name] = [r.status, r.observation]
       tool.close()
       print(json.dumps(out))
 
@@ -156,19 +157,17 @@ def ran(tmp_path_factory):
       accepted = False
   finally:
     listener.close()
-  out = json.loads(proc.stdout)
-  print({k: v[2] for k, v in out.items() if isinstance(v, list)})
-  yield out, drop, accepted
+  yield json.loads(proc.stdout), drop, accepted
   shutil.rmtree(host, ignore_errors=True)
 
 
 def test_a_non_root_orchestrator_gets_the_user_namespace_sandbox(ran):
   out, _, _ = ran
   assert out["isolation"] == sandbox.USERNS, out["note"]
-  status, text = out["view"][:2]
+  status, text = out["view"]
   uid, listing = text.split(" ", 1)
   assert status == "ok" and uid == "0"  # root in its own namespace only (nobody on the host)
-  assert not {"work", "root", "home"} & set(eval(listing))  # pylint: disable=eval-used
+  assert not {"work", "root", "home"} & set(ast.literal_eval(listing))
 
 
 def test_host_files_network_and_capabilities_are_out_of_reach(ran):
@@ -202,7 +201,7 @@ def test_hostile_output_stays_text_on_the_non_root_path(ran):
   tok = HFTokenizer(SHIPPED_MODEL, "chat")
   loop = ToolLoop("python", None, tok, max_calls=1, max_observation_tokens=256)
   for i, text in enumerate(HOSTILE):
-    status, printed = out[f"hostile{i}"][:2]
+    status, printed = out[f"hostile{i}"]
     assert status == "ok" and printed.strip() == text
     ids, _ = loop.observation_ids(printed)
     assert not set(ids.tolist()) & set(tok.hf_tokenizer.all_special_ids)

@@ -231,7 +231,7 @@ class Dispatcher:
     """The group's home server while it is admitted, not ``avoid`` and has a free slot;
     otherwise the least-loaded admitted server (another than ``avoid`` if possible)."""
     home = self._affinity.home(group)
-    if home is not None and home.state == UP and home is not avoid and home.has_room:
+    if home is not None and home.alive and home is not avoid and home.has_room:
       return home
     up = [s for s in self._servers if s.state == UP]
     pool = [s for s in up if s is not avoid] or up

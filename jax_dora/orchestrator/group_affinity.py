@@ -39,7 +39,7 @@ class GroupAffinity(Generic[_S]):
 
   def home(self, group: Hashable | None) -> _S | None:
     """The server ``group``'s earlier members went to (None: no member in flight)."""
-    h = self._homes.get(group) if group is not None else None
+    h = self._homes.get(group)  # None is never a key: started() ignores it
     return h.server if h is not None else None
 
   def started(self, group: Hashable | None, server: _S) -> None:
@@ -58,7 +58,7 @@ class GroupAffinity(Generic[_S]):
 
   def finished(self, group: Hashable | None) -> None:
     """A member's request ended; the home is forgotten with the group's last one."""
-    h = self._homes.get(group) if group is not None else None
+    h = self._homes.get(group)
     if h is None:
       return
     h.members_in_flight -= 1
