@@ -223,6 +223,16 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   per_traj = [r["tools/calls_per_trajectory"] for r in recs if "tools/calls_per_trajectory" in r]
   if per_traj:
     summary["tool_calls_per_trajectory"] = sum(per_traj) / len(per_traj)
+  # Per trained trajectory (a step trains groups_per_step x group_size of them).
+  cfg = json.loads((out / "config.json").read_text())
+  trained = max(1, summary["steps"] * cfg["learner"]["groups_per_step"] * cfg["learner"]["group_size"])
+  summary["reprefill_per_trajectory"] = summary["reprefill_tokens"] / trained
+  summary["held_kv_resumed_turns"] = sum(r.get("held_kv/resumed_turns") or 0 for r in recs)
+  summary["held_kv_reprefilled_turns"] = sum(r.get("held_kv/reprefilled_turns") or 0 for r in recs)
+  # Off-policy measures: the clipped share of ratios, and learner vs behaviour KL.
+  for key, name in (("train/clip_frac", "clip_frac"), ("train/mismatch/kl_k3", "mismatch_kl")):
+    vals = [r[key] for r in recs if r.get(key) is not None]
+    summary[name] = sum(vals) / len(vals) if vals else float("nan")
   return summary
 
 
@@ -254,7 +264,8 @@ def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str
     row = {"rounds": len(sums)}
     for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share",
                 "mean_reward_last", "reprefill_tokens", "prefill_tokens",
-                "prefill_tokens_computed"):
+                "prefill_tokens_computed", "reprefill_per_trajectory", "held_kv_resumed_turns",
+                "held_kv_reprefilled_turns", "clip_frac", "mismatch_kl"):
       row[key] = statistics.mean(s.get(key) or 0.0 for s in sums)
     row["bubble"] = ratio_spread([s["bubble_ratio"] for s in sums])
     if ref in runs and len(runs[ref]) == len(sums):
@@ -353,6 +364,9 @@ def main() -> None:
                        " rounds; the table adds each variant's tok/s over the first one's of the"
                        " same round (an A/B of a setting's cost, e.g. off: and"
                        " on:--config.audit.verify_fraction=0.02)")
+  ap.add_argument("--variant_modes", default="",
+                  help="comma-separated: only these modes run once per variant; the others run"
+                       " once per round without the variants' overrides (default: every mode)")
   a, overrides = ap.parse_known_args()
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
@@ -370,7 +384,9 @@ def main() -> None:
   except ValueError as e:
     ap.error(str(e))
   if variants:  # one entry per mode and variant: "dora_pace@on"
-    modes = [f"{m}@{name}" for m in modes for name in variants]
+    varied = set(a.variant_modes.split(",")) if a.variant_modes else set(modes)
+    modes = [f"{m}@{name}" if m in varied else m for m in modes
+             for name in (variants if m in varied else [""])]
   if a.workload in TOOL_WORKLOADS:
     given = {o.split("=", 1)[0] for o in overrides}
     overrides = [o for o in TOOLS_DEFAULT_OVERRIDES if o.split("=", 1)[0] not in given] + overrides
@@ -402,13 +418,14 @@ def main() -> None:
     done = sum(s["prefill_tokens_computed"] for s in computed)
     print(f"prefill: {asked:.0f} context tokens admitted, {done:.0f} computed (group prefix sharing:"
           f" {asked / done:.1f}x less prompt work)")
-  if "async_unfiltered" in runs and "dora_pace" in runs:
-    per_round = ratio_spread([d["trained_tokens_per_s"] / max(u["trained_tokens_per_s"], 1e-9)
-                              for d, u in zip(runs["dora_pace"], runs["async_unfiltered"])])
-    rows["dora_pace"]["x_async_unfiltered"] = per_round
-    print(f"dora_pace / async_unfiltered trained tokens/s: {_fmt_spread(per_round)}")
+  for m in [k for k in runs if k.partition("@")[0] == "dora_pace"] if "async_unfiltered" in runs else ():
+    for key, unit in (("trained_tokens_per_s", "trained tokens/s"), ("steps_per_s", "trajectories/s")):
+      per_round = ratio_spread([d[key] / max(u[key], 1e-9)
+                                for d, u in zip(runs[m], runs["async_unfiltered"])])
+      rows[m]["x_async_unfiltered" + ("_steps" if key == "steps_per_s" else "")] = per_round
+      print(f"{m} / async_unfiltered {unit}: {_fmt_spread(per_round)}")
   names = list(variants)
-  for m in dict.fromkeys(k.partition("@")[0] for k in runs) if len(names) > 1 else ():
+  for m in dict.fromkeys(k.partition("@")[0] for k in runs if "@" in k) if len(names) > 1 else ():
     first = runs[f"{m}@{names[0]}"]
     for name in names[1:]:
       per_round = ratio_spread([v["trained_tokens_per_s"] / max(f["trained_tokens_per_s"], 1e-9)
@@ -418,7 +435,11 @@ def main() -> None:
   for m, s in rows.items():
     if s.get("tool_calls_per_trajectory") is not None:
       print(f"{m}: {s['tool_calls_per_trajectory']:.2f} tool calls per trained trajectory,"
-            f" trained trajectories/s x sync {_fmt_spread(s.get('x_ref_steps'))}")
+            f" trained trajectories/s x sync {_fmt_spread(s.get('x_ref_steps'))},"
+            f" re-prefilled {s['reprefill_per_trajectory']:.1f} tokens per trained trajectory"
+            f" (held-KV turns {s['held_kv_resumed_turns']:.0f} resumed,"
+            f" {s['held_kv_reprefilled_turns']:.0f} re-prefilled), clipped"
+            f" {s['clip_frac']:.2%}, mismatch kl {s['mismatch_kl']:.1e}")
   if "sync" in rows:
     print(f"\nsync spends {_fmt_spread(rows['sync']['bubble'], pct=True)} of its step waiting for"
           " rollout (the learner's bubble is exactly the rollout share there).")

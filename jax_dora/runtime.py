@@ -363,6 +363,7 @@ class Run:
         group_size=cfg.learner.group_size,
         max_staleness=cfg.orchestrator.max_staleness,
         allow_multi_version=mode_class(cfg.mode).resumes_rollouts,
+        allow_turn_hops=cfg.turn_hops,
         truncate_after_step=resumed_step if resumed_step is not None else 0,
         incarnation=self.incarnation,
     )

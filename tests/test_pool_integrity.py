@@ -171,6 +171,34 @@ def test_multi_version_allowed_when_mode_resumes(tmp_path):
   assert led.check() == []
 
 
+def test_turn_hops_may_change_versions_only_across_an_observation():
+  """``orchestrator.turn_version=newest``: each turn one version, a new one only after a
+  context span (the tool's observation), never inside a turn."""
+  led = IntegrityLedger(None, group_size=G, max_staleness=2, allow_turn_hops=True)
+  ok = make_group(0, G, spans=[(0, 2, 0), (4, 6, 1)], finish_version=1)
+  bad = make_group(1, G, spans=[(0, 2, 0), (2, 4, 1), (6, 8, 1)], finish_version=1)
+  for t in ok:
+    t.context_spans = [(2, 4)]
+  for t in bad:
+    t.context_spans = [(4, 6)]
+  for g in (ok, bad):
+    for t in g:
+      led.issued(t.sample_id, t.member, 0)
+    for t in g:
+      led.finished(t)
+  led.trained(ok + bad, learner_version=2, step=1)
+  v = led.check()
+  assert len(v) == G and all("(1, " in m and "only between turns" in m for m in v), v
+  # The same trajectories without the hop rule: both are violations.
+  strict = IntegrityLedger(None, group_size=G, max_staleness=2)
+  for g in (ok, bad):
+    for t in g:
+      strict.issued(t.sample_id, t.member, 0)
+      strict.finished(t)
+  strict.trained(ok + bad, learner_version=2, step=1)
+  assert len(strict.check()) == 2 * G
+
+
 def test_rejected_for_regeneration_must_come_back(tmp_path):
   led = IntegrityLedger(None, group_size=G, max_staleness=1)
   g = _issue_finish(led, 0)

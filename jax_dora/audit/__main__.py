@@ -102,7 +102,7 @@ def audit_run(run_dir: str, *, fraction: float = 1.0, measure_separation: bool =
   messages: dict[str, list[str]] = collections.defaultdict(list)
   ledger = IntegrityLedger.from_log(
       log_path, group_size=cfg.learner.group_size, max_staleness=cfg.orchestrator.max_staleness,
-      allow_multi_version=mode_class(cfg.mode).resumes_rollouts)
+      allow_multi_version=mode_class(cfg.mode).resumes_rollouts, allow_turn_hops=cfg.turn_hops)
   recorded = ledger.verdict()
   messages["bookkeeping"] = ledger.bookkeeping_violations()
 

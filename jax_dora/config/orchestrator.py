@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_dora.config.block import ConfigBlock, field
+from jax_dora.config.block import ConfigBlock, choice, field
+
+# Which version a multi-turn trajectory's next turn runs on (``turn_version``).
+TURN_VERSIONS = ("held", "newest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +19,14 @@ class OrchestratorConfig(ConfigBlock):
   max_staleness: int = field(
       2, "Hard bound: no trajectory is trained more than this many versions after the version"
       " that generated its oldest token.")
+  turn_version: str = field(
+      "held", "Multi-turn, in the modes that never move a trajectory to another version (sync,"
+      " one_step_off, dora, dora_pace): held = every turn runs on the version the trajectory"
+      " started with, pinned on its server through each tool call (intra-trajectory"
+      " consistency); newest = each turn starts on the newest version and the turn's version is"
+      " released when the tool call starts (a per-turn version hop: intra-turn consistency,"
+      " spans of several versions, each turn one). The staleness bound and the importance"
+      " corrections apply per span either way (DESIGN.md, Held trajectories).")
   queue_depth: int = field(4, "Requests in flight per server beyond its slots (keeps slots full).")
   max_server_restarts: int = field(
       3, "A rollout server that dies and comes back at the same address (a new process), or"
@@ -37,6 +48,7 @@ class OrchestratorConfig(ConfigBlock):
   def __post_init__(self):
     if self.max_staleness < 0:
       self.fail("max_staleness", "must be >= 0")
+    choice(self.BLOCK, "turn_version", self.turn_version, TURN_VERSIONS)
     if self.queue_depth < 0:
       self.fail("queue_depth", "must be >= 0")
     if self.max_server_restarts < 0:

@@ -60,6 +60,15 @@ class RolloutConfig(ConfigBlock):
   param_dtype: str = field(
       "", "Dtype the servers hold the policy in (\"\" = model.param_dtype): bfloat16 halves"
       " rollout memory; snapshots are cast on restore.")
+  held_kv_slots: int = field(
+      -1, "Multi-turn: cache rows per server that keep a turn's keys/values while its tool"
+      " runs, so the next turn prefills only its new tokens (rollout/held_kv.py); each row is"
+      " one decode slot's cache (model.max_seq_len entries), allocated on the first tool call."
+      " -1 = rollout.slots when tools.name is set, else 0; 0 = every turn re-prefills its"
+      " whole context.")
+  hold_timeout_s: float = field(
+      600.0, "Multi-turn: a version hold (and its held keys/values) not taken over within"
+      " this long is released (its orchestrator is gone).")
   port: int = field(9000, "gRPC port of a rollout server (role=rollout).")
   server_addresses: str = field(
       "", "Comma-separated host:port of remote rollout servers; empty = embedded servers.")
@@ -72,6 +81,12 @@ class RolloutConfig(ConfigBlock):
       " (0 = no stall check; keep it above the longest compile when precompile is off).")
   control_timeout_s: float = field(10.0, "Deadline of Status / Abort / Health calls.")
   load_timeout_s: float = field(600.0, "Deadline of one LoadVersion (and of start-up).")
+
+  def held_kv_rows(self, multi_turn: bool) -> int:
+    """``held_kv_slots`` resolved: -1 = one row per decode slot when turns call tools."""
+    if self.held_kv_slots >= 0:
+      return self.held_kv_slots
+    return self.slots if multi_turn else 0
 
   @property
   def remote(self) -> bool:
@@ -98,6 +113,8 @@ class RolloutConfig(ConfigBlock):
     except ValueError as e:
       raise ConfigError(
           f"config.rollout.decode_length_buckets={self.decode_length_buckets!r}: {e}") from e
+    if self.held_kv_slots < -1 or self.hold_timeout_s <= 0:
+      raise ConfigError("config.rollout.held_kv_slots must be >= -1 and hold_timeout_s > 0")
     if self.max_versions < 1:
       self.fail("max_versions", "must be >= 1")
     if min(self.num_servers, self.slots, self.max_prefill_length, self.max_new_tokens) < 1:

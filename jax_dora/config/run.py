@@ -68,6 +68,17 @@ class RunConfig(ConfigBlock):
   audit: AuditConfig = dataclasses.field(default_factory=AuditConfig)
   sft: SftConfig = dataclasses.field(default_factory=SftConfig)
 
+  @property
+  def held_kv_rows(self) -> int:
+    """``rollout.held_kv_slots`` resolved for this run (-1: a row per slot with a tool)."""
+    return self.rollout.held_kv_rows(multi_turn=bool(self.tools.name))
+
+  @property
+  def turn_hops(self) -> bool:
+    """A multi-turn trajectory's turns may run on different versions, one each
+    (``orchestrator.turn_version=newest`` with a tool): what the audit allows."""
+    return bool(self.tools.name) and self.orchestrator.turn_version == "newest"
+
   def __post_init__(self):
     choice(self.BLOCK, "mode", self.mode, tuple(MODES))
     choice(self.BLOCK, "role", self.role, ROLES)

@@ -214,12 +214,58 @@ def _attend_cache_and_self(
   return ctx.reshape(b, t, h, d).astype(q.dtype)
 
 
+def _attend_cache_then_chunk(
+    q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array,
+    positions: jax.Array, rows: jax.Array, bound: int, layer: int,
+) -> jax.Array:
+  """A chunk of ``T`` new tokens per row continuing a context already in the cache.
+
+  Token ``t`` of row ``b`` (at ``positions[b, t] = start_b + t``) attends to
+  the row's cache entries ``j < start_b`` and causally to the chunk's tokens
+  ``<= t``: the attention of a full forward over context + chunk, with the
+  context's keys/values read from the cache instead of recomputed. This is
+  how a multi-turn trajectory's next turn prefills only its new tokens (the
+  tool's observation) on top of the turn before, kept in the cache
+  (``rollout/held_kv.py``). The cache is only read; the caller writes the
+  chunk's entries.
+
+  ``q[B,T,H,D]``, ``k, v[B,T,Hkv,D]``; ``ck, cv``: the whole head-major
+  ``[L, Bc, Hkv, S, D]`` cache, ``rows[B]`` the cache rows, ``bound`` a
+  static Python int ``>= max(start_b)`` (entries ``[0, bound)`` are read,
+  gathered whole: a turn boundary is rare next to decode steps). Products
+  take the cache's dtype with float32 accumulation; the softmax is float32.
+  """
+  b, t, h, d = q.shape
+  n_kv, s = ck.shape[2], ck.shape[3]
+  bound = max(1, min(int(bound), s))
+  cdt = ck.dtype
+  f32 = jnp.float32
+  scale = d ** -0.5
+  qg = _group(q, n_kv).astype(cdt)  # [B,T,Hkv,G,D]
+  kc = ck[layer, rows, :, :bound]  # [B,Hkv,bound,D]
+  vc = cv[layer, rows, :, :bound]
+  kn, vn = k.astype(cdt), v.astype(cdt)  # [B,T,Hkv,D]
+  start = positions[:, 0]  # [B]
+  s_cache = jnp.einsum("btkgd,bksd->bkgts", qg, kc, preferred_element_type=f32) * scale
+  cached = jnp.arange(bound, dtype=jnp.int32)[None, :] < start[:, None]  # [B,bound]
+  s_cache = jnp.where(cached[:, None, None, None, :], s_cache, _MASK_VALUE)
+  s_self = jnp.einsum("btkgd,bukd->bkgtu", qg, kn, preferred_element_type=f32) * scale
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  s_self = jnp.where(causal[None, None, None], s_self, _MASK_VALUE)
+  p = jax.nn.softmax(jnp.concatenate([s_cache, s_self], axis=-1), axis=-1)
+  ctx = (jnp.einsum("bkgts,bksd->btkgd", p[..., :bound].astype(cdt), vc,
+                    preferred_element_type=f32)
+         + jnp.einsum("bkgtu,bukd->btkgd", p[..., bound:].astype(cdt), vn,
+                      preferred_element_type=f32))
+  return ctx.reshape(b, t, h, d).astype(q.dtype)
+
+
 # Decode attention implementations (``rollout.decode_attention``).
 DECODE_ATTENTION = ("blocked", "dense")
 
 # The model's paths, one per job (``Transformer.__call__``, ``.prefill``,
 # ``.decode``); a module's ``mode`` picks the attention of its layers.
-MODES = ("train", "prefill", "decode")
+MODES = ("train", "prefill", "decode", "extend")
 
 
 class Attention(nn.Module):
@@ -229,6 +275,8 @@ class Attention(nn.Module):
   (``_attend``); ``prefill`` also returns the call's keys/values for the
   caller to write into a cache. ``decode`` reads the cache (never writes it)
   with the ``decode_attention`` kernel and returns the token's new entry.
+  ``extend`` runs a chunk of new tokens per row after the row's cached
+  context (``_attend_cache_then_chunk``) and returns the chunk's entries.
   """
 
   cfg: ModelConfig
@@ -279,6 +327,11 @@ class Attention(nn.Module):
       bound, chunk = (s, s) if self.decode_attention == "dense" else (
           self.kv_bound or s, decode_chunk(self.attention_block))
       ctx = _attend_cache_and_self(q, k, v, ck, cv, positions, rows, bound, chunk, layer)
+      kv = (k.astype(ck.dtype), v.astype(cv.dtype))
+    elif self.mode == "extend":
+      ck, cv = cache
+      ctx = _attend_cache_then_chunk(q, k, v, ck, cv, positions, rows,
+                                     self.kv_bound or ck.shape[3], layer)
       kv = (k.astype(ck.dtype), v.astype(cv.dtype))
     else:
       ctx = _attend(q, k, v, mask, attention_implementation(cfg))
@@ -495,6 +548,22 @@ class Transformer(nn.Module):
     if tokens.shape[1] != 1:
       raise ValueError(f"decode takes one token per row (decode), got [B,T]={tokens.shape}")
     return self._forward("decode", tokens, positions, cache=cache, rows=rows, kv_bound=kv_bound)
+
+  def extend(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, rows: jax.Array,
+             kv_bound: int) -> tuple[jax.Array, KVCache]:
+    """A chunk of new tokens per row continuing the row's context in the cache.
+
+    ``tokens, positions[B,T]``: row ``b``'s chunk sits at ``start_b ..
+    start_b + T - 1`` (``positions[:, 0]`` is the start; right-padded, so a
+    real token never sees a padded one) and attends to cache row
+    ``rows[b]``'s entries ``j < start_b`` (all below the static ``kv_bound``)
+    plus the chunk causally. Same values as :meth:`prefill` of the whole
+    context + chunk at those positions. Returns the final-normed hidden
+    states ``[B,T,D]`` and the chunk's entries ``KVCache`` ``[L,B,T,Hkv,D]``
+    for the caller to write (the cache is only read).
+    """
+    return self._forward("extend", tokens, positions, cache=cache, rows=rows, kv_bound=kv_bound,
+                         return_hidden=True)
 
   @nn.compact
   def _forward(

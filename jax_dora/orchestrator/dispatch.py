@@ -595,6 +595,7 @@ class Dispatcher:
       ignore_eos: bool = False,
       stop_strings: tuple[str, ...] = (),
       hold: str = "",
+      keep_version: bool = True,
       server: str | None = None,
   ) -> RolloutResult:
     """Runs one request to completion (or abort), failing over on server failures.
@@ -604,11 +605,13 @@ class Dispatcher:
     ``server`` sends the request to that server only (where the hold lives):
     if it is not up, or fails, :class:`VersionUnavailableError` is raised
     instead of failing over, since no other server holds the pinned version.
-    The result names the server that generated it (``result.server``).
+    ``keep_version=False``: the hold pins nothing (a per-turn version hop,
+    ``RolloutRequest.keep_version``). The result names the server that
+    generated it (``result.server``).
     """
     self._ensure_monitor()
     abort_gen = None if tag == EVAL_TAG else self._abort_gen
-    extra = dict(stop_strings=tuple(stop_strings), hold=hold)
+    extra = dict(stop_strings=tuple(stop_strings), hold=hold, keep_version=keep_version)
     resume = resume_parts(resume)  # the partial trajectory's completion, derived once
     if server is not None:
       return await self._run_on(server, prompt, prompt_tokens, member, max_new_tokens,

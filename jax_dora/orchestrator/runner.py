@@ -241,6 +241,7 @@ class Orchestrator:
             if self.tool_loop is not None and not self.strategy.resumes_rollouts else "")
     traj = await self.collector.collect(
         prompt, tokens, member, budget, version=version, ignore_eos=ignore_eos, hold=hold,
+        keep_version=self.cfg.orchestrator.turn_version == "held",
         on_abort="resume" if interruptible else "return",
         before_resume=self.strategy.before_resume, stopping=lambda: self.stopping,
         submit_time=submit)

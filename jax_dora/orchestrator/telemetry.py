@@ -41,15 +41,31 @@ class RolloutTelemetry:
   interrupted rollouts prefilled again (AReaL-style interruption pays this
   after every publish, DORA does not); ``snapshot_integrity_failures_total``:
   snapshot loads the servers refused because the restored parameters were
-  not the ones their publisher recorded checksums of (since each started).
+  not the ones their publisher recorded checksums of (since each started);
+  ``held_kv/*``: multi-turn next turns that prefilled only their new tokens
+  on top of the held keys/values (``rollout/held_kv.py``) or re-prefilled.
   """
 
   def __init__(self):
-    self._last: dict[str, tuple[float, float, int, int, int, int, int]] = {}
+    self._last: dict[str, tuple[float, dict[str, float]]] = {}
+
+  @staticmethod
+  def _counters(st: Any) -> dict[str, float]:
+    """A server's counters since it started (the records report their deltas)."""
+    return {
+        "busy": st.busy_time_s, "steps": st.decode_steps, "passes": st.decode_passes,
+        "prefill_tokens": st.prefill_requested_tokens,
+        "prefill_tokens_computed": st.prefill_computed_tokens,
+        "reprefill_tokens": st.resumed_prefill_tokens,
+        "held_kv/resumed_turns": st.held_kv_resumed,
+        "held_kv/reprefilled_turns": sum(st.held_kv_fallbacks.values()),
+        "held_kv/reused_tokens": st.held_kv_reused_tokens,
+    }
 
   async def sample(self, clients: Sequence[Any]) -> dict[str, float | None]:
-    ratios, steps, passes, refused = [], 0, 0, 0
-    prefill = [0, 0, 0]
+    ratios, refused = [], 0
+    delta: dict[str, float] = {}
+    fallbacks: dict[str, int] = {}
     for c in clients:
       try:
         st = await c.status()
@@ -57,22 +73,33 @@ class RolloutTelemetry:
         continue
       now = time.time()
       refused += st.snapshot_integrity_failures
+      for why, n in st.held_kv_fallbacks.items():
+        fallbacks[why] = fallbacks.get(why, 0) + n
       prev = self._last.get(c.name)
-      cur = (now, st.busy_time_s, st.decode_steps, st.decode_passes,
-             st.prefill_requested_tokens, st.prefill_computed_tokens, st.resumed_prefill_tokens)
-      self._last[c.name] = cur
+      cur = self._counters(st)
+      self._last[c.name] = (now, cur)
       if prev is not None and now > prev[0]:
-        ratios.append(1.0 - min(1.0, (st.busy_time_s - prev[1]) / (now - prev[0])))
-        steps += st.decode_steps - prev[2]
-        passes += st.decode_passes - prev[3]
-        for i in range(3):
-          prefill[i] += max(0, cur[4 + i] - prev[4 + i])  # a restarted server starts at 0
+        ratios.append(1.0 - min(1.0, (cur["busy"] - prev[1]["busy"]) / (now - prev[0])))
+        for key, value in cur.items():
+          delta[key] = delta.get(key, 0) + max(0, value - prev[1][key])  # a restart starts at 0
+    held_turns = delta.get("held_kv/resumed_turns", 0) + delta.get("held_kv/reprefilled_turns", 0)
     return {
         "rollout_idle_ratio": sum(ratios) / len(ratios) if ratios else None,
-        "decode_passes_per_step": passes / steps if steps else None,
-        "prefill_tokens": prefill[0],
-        "prefill_tokens_computed": prefill[1],
-        "reprefill_tokens": prefill[2],
+        "decode_passes_per_step": delta["passes"] / delta["steps"] if delta.get("steps") else None,
+        "prefill_tokens": delta.get("prefill_tokens", 0),
+        "prefill_tokens_computed": delta.get("prefill_tokens_computed", 0),
+        "reprefill_tokens": delta.get("reprefill_tokens", 0),
+        # Multi-turn: next turns since the last record that prefilled only their new tokens
+        # (held KV) or their whole context again, and the context tokens not prefilled again.
+        "held_kv/resumed_turns": delta.get("held_kv/resumed_turns", 0),
+        "held_kv/reprefilled_turns": delta.get("held_kv/reprefilled_turns", 0),
+        "held_kv/reused_tokens": delta.get("held_kv/reused_tokens", 0),
+        "held_kv/reused_tokens_per_turn": (delta.get("held_kv/reused_tokens", 0) / held_turns
+                                           if held_turns else None),
+        "held_kv/reprefill_tokens_per_turn": (delta.get("reprefill_tokens", 0) / held_turns
+                                              if held_turns else None),
+        # Why held turns re-prefilled, since the servers started (held_kv.FALLBACKS).
+        "held_kv/fallbacks_total": fallbacks,
         # Snapshot loads the live servers refused: parameters not as published.
         "snapshot_integrity_failures_total": refused,
     }

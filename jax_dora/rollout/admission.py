@@ -1,8 +1,8 @@
 """Admission: a queued request is checked, pinned to its version, and given its context and budget.
 
-A request runs on the version it names, else on its hold's version (the next
-turn of a multi-turn trajectory), else on the newest held version (the DORA
-rule for new work). Admission takes a pin on that version in the
+A request runs on the version it names, else on its hold's pinned version (the
+next turn of a multi-turn trajectory), else on the newest held version (the DORA
+rule for new work; also a next turn whose hold pins nothing: a per-turn hop). Admission takes a pin on that version in the
 :class:`~jax_dora.rollout.version_store.VersionStore` (a hold's pin is taken
 over), so the version cannot retire under the slot. A request that cannot run
 is answered here instead: another run incarnation's, a version no longer
@@ -74,8 +74,8 @@ def admit(req: api.RolloutRequest, *, name: str, store: VersionStore, holds: Ver
     version = store.acquire(want)
   except api.VersionUnavailableError as e:
     return api.VersionUnavailableError(f"{name}: {e}", (req.request_id,))
-  if held is not None:
-    holds.release([req.hold], store)  # the new turn's own pin replaces the hold's
+  if req.hold and req.hold in holds:
+    holds.release([req.hold], store)  # the new turn's own pin replaces the hold's (if any)
   try:
     resume = ResumeParts.of(req)
     prompt = np.asarray(req.prompt_tokens, np.int32).reshape(-1)

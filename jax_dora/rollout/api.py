@@ -121,6 +121,11 @@ class RolloutRequest:
   # the server's hold timeout passes. This is what keeps a trajectory's policy
   # version live on its server while a tool runs between two turns.
   hold: str = ""
+  # Multi-turn: False = the hold does not pin this turn's version (a per-turn
+  # version hop, ``orchestrator.turn_version=newest``): the version is released
+  # when the turn ends and the next turn runs on the newest; the hold keeps only
+  # the turn's cache entries (reused when the next turn's version is the same).
+  keep_version: bool = True
 
 
 @dataclasses.dataclass
@@ -175,6 +180,16 @@ class ServerStatus:
   # Snapshot loads refused because the restored parameters differ from the
   # checksums their publisher recorded (``SnapshotIntegrityError``), since start.
   snapshot_integrity_failures: int = 0
+  # Multi-turn held KV (``rollout/held_kv.py``), since start: pool rows and
+  # entries now; turns parked, turns resumed prefilling only their new tokens,
+  # the context tokens those did not prefill again, and the held turns that
+  # re-prefilled, by reason (``held_kv.FALLBACKS``).
+  held_kv_rows: int = 0
+  held_kv_entries: int = 0
+  held_kv_parked: int = 0
+  held_kv_resumed: int = 0
+  held_kv_reused_tokens: int = 0
+  held_kv_fallbacks: dict = dataclasses.field(default_factory=dict)
 
 
 def health_reply(name: str, instance: str, status: ServerStatus) -> dict:

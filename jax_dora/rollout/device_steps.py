@@ -150,6 +150,80 @@ class DeviceSteps:
         active=state.active.at[slot].set(True),
     )
 
+  # ------------------------------------------------- held KV (multi-turn)
+  @staticmethod
+  def park(state: DecodeState, pool: KVCache, slot, pool_row, *, length: int) -> KVCache:
+    """Copies entries ``[0, length)`` of ``slot``'s cache row into ``pool_row`` of the
+    held-KV pool (``length`` static: a decode-length bucket)."""
+    def copy(dst, src):
+      row = jax.lax.dynamic_slice_in_dim(src, slot, 1, axis=1)[:, :, :, :length]
+      return jax.lax.dynamic_update_slice(dst, row.astype(dst.dtype), (0, pool_row, 0, 0, 0))
+
+    return KVCache(k=copy(pool.k, state.cache.k), v=copy(pool.v, state.cache.v))
+
+  def extend_batch(self, params, state: DecodeState, pool: KVCache, tokens, starts,
+                   true_lengths, pool_rows, slots, counts, version, base_key, *, bound: int):
+    """Resumes ``U`` held contexts: each slot gets its pool row's entries back and
+    prefills only its new tokens on top of them.
+
+    Row ``u``: ``pool_rows[u]`` holds the context's first ``starts[u]`` entries
+    (computed by ``version``, which the trajectory still holds); ``tokens[u,
+    :true_lengths[u]]`` are the new tokens (the turn's last sampled token and the
+    tool's observation) at positions ``starts[u]..``. The pool's entries
+    ``[0, bound)`` are copied into ``slots[u]``'s row, the chunk attends to
+    them and to itself (``Transformer.extend``), its entries are written
+    after them and the slot samples its first token from the chunk's last
+    real position, as after a prefill. Padding rows carry ``slots =
+    num_slots`` (dropped). Returns the new state and ``((token, logprob)
+    [U, 2], routes [U, T, moe_layers, k] | None)``.
+    """
+    u, t = tokens.shape
+    n = state.tokens.shape[0]
+    s = self.model_cfg.max_seq_len
+    bound = min(int(bound), s)
+
+    def restore(dst, src):
+      return dst.at[:, slots, :, :bound].set(src[:, pool_rows, :, :bound].astype(dst.dtype),
+                                             mode="drop")
+
+    cache = KVCache(k=restore(state.cache.k, pool.k), v=restore(state.cache.v, pool.v))
+    rows = jnp.minimum(slots, n - 1)
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    positions = starts[:, None] + offsets[None, :]
+    routes = None
+    if self.routing_shape is None:
+      hidden, kv = self.model.apply({"params": params}, tokens, positions, cache, rows, bound,
+                                    method=Transformer.extend)
+    else:
+      (hidden, kv), recorded = self.model.apply(
+          {"params": params}, tokens, positions, cache, rows, bound, method=Transformer.extend,
+          mutable=[ROUTING])
+      routes = routing.collect(recorded, self.model_cfg)  # [U, T, moe_layers, k]
+    last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits = head_logits(last, head_weight(self.model_cfg, params))
+    keys = jax.vmap(lambda c: jax.random.fold_in(base_key, c))(counts)
+    tok, logp = jax.vmap(lambda lg, key: self._sample(lg[None], key))(logits, keys)
+    tok, logp = tok[:, 0], logp[:, 0]
+    # The chunk's real entries go after the context; padding positions (and
+    # padding rows, slot = n) are dropped.
+    write_at = jnp.where(offsets[None, :] < true_lengths[:, None], positions, s)
+    at = (slice(None), slots[:, None], slice(None), write_at)
+
+    def entries(new: jax.Array, dst: jax.Array) -> jax.Array:
+      return new.transpose(1, 2, 0, 3, 4).astype(dst.dtype)  # [L,U,T,Hkv,D] -> [U,T,L,Hkv,D]
+
+    cache = KVCache(k=cache.k.at[at].set(entries(kv.k, cache.k), mode="drop"),
+                    v=cache.v.at[at].set(entries(kv.v, cache.v), mode="drop"))
+    new_state = state.replace(
+        cache=cache,
+        tokens=state.tokens.at[slots].set(tok, mode="drop"),
+        positions=state.positions.at[slots].set(starts + true_lengths, mode="drop"),
+        lengths=state.lengths.at[slots].set(1, mode="drop"),
+        version=state.version.at[slots].set(version, mode="drop"),
+        active=state.active.at[slots].set(True, mode="drop"),
+    )
+    return new_state, (jnp.stack([tok.astype(jnp.float32), logp], axis=1), routes)
+
   # ----------------------------------------------------------------- decode
   # A decode step's accumulators: the new k/v entries ``[L,B,1,H,D]``, the
   # sampled tokens and log-probs ``[B]``, which rows some pass owned, and

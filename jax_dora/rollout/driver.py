@@ -42,6 +42,7 @@ from jax_dora.rollout import api
 from jax_dora.rollout.admission import Admitted, Item, Queued, admit
 from jax_dora.rollout.engine import DoraEngine
 from jax_dora.rollout.engine_types import FirstToken, PrefillWork
+from jax_dora.rollout.held_kv import HeldContext, HeldKV
 from jax_dora.rollout.request_output import span_result, unstarted_result
 from jax_dora.rollout.slot_table import Active, SlotTable
 from jax_dora.rollout.step_results import DispatchedStep, first_tokens, step_tokens
@@ -70,12 +71,16 @@ class RolloutDriver:
       (``config.precompile``), so no request stalls on a compile mid-run.
     hold_timeout_s: A version hold not taken over or released within this
       long is released (its orchestrator is gone).
+    held_kv_slots: Pool rows that keep a held turn's cache entries while its
+      tool runs, so the next turn prefills only its new tokens
+      (``held_kv.py``; ``rollout.held_kv_slots``). 0: every turn re-prefills.
   """
 
   def __init__(self, engine: DoraEngine, snapshot_dir: str, max_versions: int,
                name: str = "server0", *, chunk_steps: int = 1, stop_on_eos: bool = True,
                load_fn: Callable[[int, str | None], object] | None = None,
-               precompile: bool = False, hold_timeout_s: float = 600.0):
+               precompile: bool = False, hold_timeout_s: float = 600.0,
+               held_kv_slots: int = 0):
     self.engine = engine
     self.name = name
     self._lock = threading.Lock()
@@ -90,6 +95,9 @@ class RolloutDriver:
     self._device_free_at = 0.0
     self.prefill_work = PrefillWork()
     self._resumed_prefill_tokens = 0
+    # Multi-turn: held turns' cache entries (the pool is allocated on the first park).
+    self.held = HeldKV(held_kv_slots) if held_kv_slots > 0 else None
+    self._pool = None
     self._queue: collections.deque[Queued] = collections.deque()
     self._aborts: set[str] = set()
     self._stopping = False
@@ -101,6 +109,8 @@ class RolloutDriver:
     if precompile:
       t0 = time.perf_counter()
       engine.warmup(max_versions)
+      if self.held is not None:
+        engine.warmup_held(self.held.rows)
       _log.info("%s: compiled decode for up to %d versions in %.1fs", name, max_versions,
                 time.perf_counter() - t0)
     self._state = engine.init_decode_state()
@@ -155,6 +165,7 @@ class RolloutDriver:
           prefill_computed_tokens=self.prefill_work.computed_tokens,
           resumed_prefill_tokens=self._resumed_prefill_tokens,
           held_versions=self.holds.held_versions,
+          **self._held_kv_status(),
           snapshot_integrity_failures=self.versions.integrity_failures)
 
   def stop(self, timeout_s: float = 30.0) -> None:
@@ -168,6 +179,14 @@ class RolloutDriver:
         _log.error("%s: driver thread did not stop within %.1fs", self.name, timeout_s)
 
   steps = property(lambda self: self._steps, doc="Generate steps run so far.")
+
+  def _held_kv_status(self) -> dict[str, object]:
+    if self.held is None:
+      return {}
+    c = self.held.counters
+    return dict(held_kv_rows=self.held.rows, held_kv_entries=len(self.held),
+                held_kv_parked=c.parked, held_kv_resumed=c.resumed,
+                held_kv_reused_tokens=c.reused_tokens, held_kv_fallbacks=dict(c.fallbacks))
 
   def check_alive(self) -> None:
     """Raises RolloutError if the driver loop is stopped or crashed."""
@@ -197,6 +216,8 @@ class RolloutDriver:
           self._retire_incarnation(switch)
         self._handle_aborts(aborts)
         self.holds.expire(self.store)
+        if self.held is not None and len(self.held):
+          self.held.drop_unheld(self.holds)  # released holds' entries (abort, timeout, switch)
         self.versions.load_pending()
         firsts = self._admit()
         self._free_unfilled()
@@ -238,6 +259,8 @@ class RolloutDriver:
     for q in queued:
       self._safe_call(q.callback, api.RolloutError(message, ids))
     self.holds.release_all(self.store)
+    if self.held is not None:
+      self.held.clear()
     if ids:
       _log.warning("%s: failed %d in-flight request(s)", self.name, len(ids))
 
@@ -289,19 +312,30 @@ class RolloutDriver:
     """
     free = self.slots.free_slots()
     by_version: dict[int, list[tuple[Queued, int, Admitted]]] = {}
+    resumes: dict[int, list[tuple[Queued, int, Admitted, HeldContext]]] = {}
     while free and self.store.admitting:
       with self._lock:
         if not self._queue:
           break
         q = self._queue.popleft()
+      hold = q.request.hold
+      continuing = bool(hold) and hold in self.holds  # a next turn (its hold is taken over)
       got = admit(q.request, name=self.name, store=self.store, holds=self.holds,
                   incarnation=self.versions.incarnation, max_seq_len=self.engine.max_seq_len,
                   model_cfg=self.engine.model_cfg, routing_shape=self.engine.routing_shape)
-      if isinstance(got, Admitted):
-        by_version.setdefault(got.version, []).append((q, free.pop(0), got))
-      else:
+      if not isinstance(got, Admitted):
+        if self.held is not None:
+          self.held.drop(hold)
         self._safe_call(q.callback, got)
-    firsts = []
+        continue
+      entry = None
+      if continuing and self.held is not None:
+        entry, _ = self.held.resume(hold, got.version, got.context, self.engine.longest_extend)
+      if entry is not None:
+        resumes.setdefault(got.version, []).append((q, free.pop(0), got, entry))
+      else:
+        by_version.setdefault(got.version, []).append((q, free.pop(0), got))
+    firsts = self._resume_held(resumes)
     for version, entries in by_version.items():
       t0 = time.perf_counter()
       self._state, out, work = self.engine.prefill_insert_batch_async(
@@ -310,16 +344,39 @@ class RolloutDriver:
       self._busy_s += time.perf_counter() - t0
       self.prefill_work.add(work)
       for (q, slot, a), first in zip(entries, out):
-        n = len(a.context)
-        routes = (None if self.engine.routing_shape is None
-                  else routing.empty_record(self.engine.model_cfg, n + a.budget))
-        owner = self.slots.occupy(Active(
-            q.request, q.callback, version, slot, context_len=n, budget=a.budget,
-            resume=a.resume, stream=q.stream,
-            stop_triggers=self.stops.triggers(q.request.stop_strings), routes=routes))
-        self._resumed_prefill_tokens += len(a.resume)
-        firsts.append((slot, owner, first))
+        self._resumed_prefill_tokens += len(a.resume)  # prefilled again
+        firsts.append((slot, self._occupy(q, slot, a), first))
     return firsts
+
+  def _resume_held(self, resumes: dict[int, list[tuple[Queued, int, Admitted, HeldContext]]]
+                   ) -> list[tuple[int, int, FirstToken]]:
+    """Next turns whose context is in the held-KV pool: each prefills only its new tokens
+    (the last turn's final token and the observation) on top of its held entries."""
+    firsts = []
+    for version, entries in resumes.items():
+      starts = [len(e.tokens) for _, _, _, e in entries]
+      t0 = time.perf_counter()
+      self._state, out, work = self.engine.extend_insert_batch_async(
+          self.store.params(version), version,
+          [a.context[n:] for (_, _, a, _), n in zip(entries, starts)], starts,
+          [e.pool_row for _, _, _, e in entries], [slot for _, slot, _, _ in entries],
+          self._state, self._pool)
+      self._busy_s += time.perf_counter() - t0
+      self.prefill_work.add(work)
+      for (q, slot, a, entry), first in zip(entries, out):
+        self.held.release_row(entry)
+        firsts.append((slot, self._occupy(q, slot, a), first))
+    return firsts
+
+  def _occupy(self, q: Queued, slot: int, a: Admitted) -> int:
+    """Puts an admitted request in ``slot``; returns its owner id."""
+    n = len(a.context)
+    routes = (None if self.engine.routing_shape is None
+              else routing.empty_record(self.engine.model_cfg, n + a.budget))
+    return self.slots.occupy(Active(
+        q.request, q.callback, a.version, slot, context_len=n, budget=a.budget,
+        resume=a.resume, stream=q.stream,
+        stop_triggers=self.stops.triggers(q.request.stop_strings), routes=routes))
 
   def _free_unfilled(self) -> None:
     """Deactivates finished slots that admission did not refill (a refilled
@@ -379,6 +436,21 @@ class RolloutDriver:
     if chunk is not None:
       self._safe_call(s.callback, chunk)
 
+  def _park(self, s: Active, sampled: np.ndarray) -> None:
+    """Keeps a turn's cache entries in the held-KV pool for its hold's next turn.
+
+    The entries of every context token but the last sampled one are in the
+    slot (that token's is written by the decode step after it, which may or
+    may not have run): the next turn prefills it with the observation.
+    """
+    context = np.concatenate([np.asarray(s.request.prompt_tokens, np.int32).reshape(-1),
+                              s.resume.tokens, sampled])[:-1]
+    if self._pool is None:
+      self._pool = self.engine.init_held_pool(self.held.rows)
+    row = self.held.park(s.request.hold, s.version, context)
+    # Issued now: before any later admission can overwrite the slot.
+    self._pool = self.engine.park(self._state, self._pool, s.slot, row, len(context))
+
   def _finish(self, slot: int, reason: str) -> None:
     s = self.slots.occupants[slot]
     self._flush(s)
@@ -387,7 +459,9 @@ class RolloutDriver:
     if s.request.hold:
       # Multi-turn: the slot's pin becomes the hold's, so the version stays
       # live while the caller runs a tool and sends the next turn.
-      self.holds.take(s.request.hold, s.version, self.store)
+      self.holds.take(s.request.hold, s.version, self.store, pin=s.request.keep_version)
+      if reason == "stop" and self.held is not None:
+        self._park(s, tokens)
     else:
       self.store.release(s.version)
     n = len(tokens)

@@ -204,7 +204,8 @@ def build_embedded_servers(
     driver = RolloutDriver(
         engine, snapshot_dir, max_versions=r.max_versions, name=f"server{i}",
         load_fn=functools.partial(loader.load, engine),
-        precompile=config.precompile,
+        precompile=config.precompile, hold_timeout_s=r.hold_timeout_s,
+        held_kv_slots=config.held_kv_rows,
     )
     clients.append(EmbeddedRolloutClient(driver))
   return clients

@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jax_dora.jetstream_api import engine_api, tokenizer_pb2
-from jax_dora.model import DECODE_ATTENTION, ModelConfig, Transformer, suppress_mask
+from jax_dora.model import DECODE_ATTENTION, KVCache, ModelConfig, Transformer, suppress_mask
 from jax_dora.model.tokenizer import PolicyTokenizer
 from jax_dora.rollout.buckets import ProgramBuckets, decode_length_buckets, prefill_buckets
 from jax_dora.rollout.device_steps import DeviceSteps
@@ -56,7 +56,7 @@ from jax_dora.rollout.engine_types import (
     decode_result,
 )
 from jax_dora.rollout.placement import EnginePlacement
-from jax_dora.rollout.prefill_plan import plan_prefill
+from jax_dora.rollout.prefill_plan import plan_extend, plan_prefill
 from jax_dora.rollout.programs import EnginePrograms
 from jax_dora.snapshots import SnapshotReader
 
@@ -234,6 +234,46 @@ class DoraEngine(engine_api.Engine):
       state, (values, routes) = self.programs.prefill(params, state, call, version, self._base_key)
       for i, row, context in call.users:
         firsts[i] = FirstToken(values, row, routes, context)
+    return state, firsts, work
+
+  # ------------------------------------------------- held KV (multi-turn)
+  def init_held_pool(self, rows: int) -> KVCache:
+    """The held-KV pool of ``rows`` cache rows (``rollout/held_kv.py``)."""
+    return self.programs.init_pool(rows)
+
+  def warmup_held(self, rows: int) -> None:
+    self.programs.warmup_held(rows)
+
+  @property
+  def longest_extend(self) -> int:
+    """The most new tokens one held-context resume takes (longer: a full re-prefill)."""
+    return self.programs.extend_lengths()[-1]
+
+  def park(self, decode_state: DecodeState, pool: KVCache, slot: int, pool_row: int,
+           n_tokens: int) -> KVCache:
+    """Copies ``slot``'s first ``n_tokens`` cache entries into ``pool_row`` (``pool`` donated;
+    ``decode_state`` only read, before anything can overwrite the slot)."""
+    length = self.buckets.decode_length(max(1, int(n_tokens)))
+    return self.programs.park(decode_state, pool, slot, pool_row, length)
+
+  def extend_insert_batch_async(
+      self, params: Params, version: int, chunks: Sequence[np.ndarray], starts: Sequence[int],
+      pool_rows: Sequence[int], slots: Sequence[int], decode_state: DecodeState, pool: KVCache,
+  ) -> tuple[DecodeState, list[FirstToken], PrefillWork]:
+    """Resumes held contexts: slot ``slots[i]`` gets pool row ``pool_rows[i]``'s first
+    ``starts[i]`` entries and prefills only ``chunks[i]`` after them (all on ``version``,
+    the version that computed those entries). As :meth:`prefill_insert_batch_async`
+    otherwise: nothing is read back, ``decode_state`` is donated."""
+    calls, work = plan_extend(chunks, starts, pool_rows, slots, self.buckets,
+                              self.programs.extend_lengths(), pad_id=self.tokenizer.pad_id,
+                              next_count=self._next_prefill_count)
+    firsts: list[FirstToken | None] = [None] * len(chunks)
+    state = decode_state
+    for call in calls:
+      state, (values, routes) = self.programs.extend(params, state, pool, call, version,
+                                                     self._base_key, call.bound)
+      for i, row in call.users:
+        firsts[i] = FirstToken(values, row, routes, row, offset=int(starts[i]))
     return state, firsts, work
 
   def prefill_insert(

@@ -164,6 +164,9 @@ class FirstToken(NamedTuple):
   row: int
   routes: jax.Array | None = None
   context: int = 0
+  # A held-context resume computed only the context's positions from
+  # ``offset`` on: ``routes[context]`` starts there.
+  offset: int = 0
 
 
 @dataclasses.dataclass

@@ -94,6 +94,14 @@ class EnginePlacement:
     return DecodeState(cache=KVCache(k=cache, v=cache), tokens=row, positions=row, lengths=row,
                        version=row, active=row, rng=self.replicated)
 
+  def held_pool(self, rows: int) -> KVCache:
+    """Sharding of the held-KV pool (``rollout/held_kv.py``): the decode cache's layout,
+    rows split over ``"slots"`` when they divide evenly."""
+    n = self.mesh.shape["slots"]
+    cache = NamedSharding(self.mesh, P(None, "slots" if rows % n == 0 else None,
+                                       self.heads_axis))
+    return KVCache(k=cache, v=cache)
+
   def step_accumulators(self, routed: bool) -> tuple:
     """Shardings of a decode step's accumulators (``DeviceSteps.empty_acc``)."""
     st = self.state

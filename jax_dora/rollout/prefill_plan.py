@@ -1,5 +1,8 @@
 """Host-side planning of one admission round's prefill: which contexts are shared, the layout.
 
+(Also the held-context resume's calls, :func:`plan_extend`: a multi-turn
+turn whose context is kept in the held-KV pool prefills only its new tokens.)
+
 An admission round hands the engine a list of contexts (prompt, or prompt +
 resumed completion) and the slots they go to, all on one policy version. This
 module turns that into the batched prefill calls the device runs, with numpy
@@ -94,5 +97,65 @@ def plan_prefill(contexts: Sequence[np.ndarray], slots: Sequence[int], buckets: 
       calls.append(call)
       work.calls += 1
       work.computed_tokens += sum(len(c) for c, _ in chunk)
+      work.padded_tokens += u * t
+  return calls, work
+
+
+@dataclasses.dataclass
+class ExtendCall:
+  """One device call of the held-context resume program (``DeviceSteps.extend_batch``).
+
+  Row ``r``: ``tokens[r, :lengths[r]]`` continue the context held in pool row
+  ``pool_rows[r]`` (its first ``starts[r]`` entries) into slot ``slots[r]``;
+  padding rows carry ``slots = num_slots`` (dropped). ``bound``: the static
+  attention bound (a decode length holding every start). ``users``: ``(request
+  index, row)``.
+  """
+
+  tokens: np.ndarray
+  starts: np.ndarray
+  lengths: np.ndarray
+  pool_rows: np.ndarray
+  slots: np.ndarray
+  counts: np.ndarray
+  bound: int
+  users: list[tuple[int, int]]
+
+
+def plan_extend(chunks: Sequence[np.ndarray], starts: Sequence[int], pool_rows: Sequence[int],
+                slots: Sequence[int], buckets: ProgramBuckets, lengths: Sequence[int], *,
+                pad_id: int, next_count: Callable[[], int]) -> tuple[list[ExtendCall], PrefillWork]:
+  """The calls that resume ``chunks[i]`` after pool row ``pool_rows[i]``'s ``starts[i]``
+  entries into ``slots[i]``; ``lengths``: the padded chunk lengths compiled
+  (``EnginePrograms.extend_lengths``). Every chunk must fit one of them and its
+  context the cache."""
+  n_slots = buckets.num_slots
+  by_length: dict[int, list[int]] = {}
+  for i, c in enumerate(chunks):
+    t = next((b for b in lengths if len(c) <= b), None)
+    if t is None or not 0 < len(c) or starts[i] + len(c) > buckets.max_seq_len:
+      raise ValueError(f"a chunk of {len(c)} tokens after {starts[i]} does not fit {lengths}")
+    by_length.setdefault(t, []).append(i)
+  work = PrefillWork(requests=len(chunks),
+                     requested_tokens=sum(int(s) + len(c) for s, c in zip(starts, chunks)))
+  calls = []
+  for t, members in sorted(by_length.items()):
+    rows = buckets.prefill_rows(t)
+    for lo in range(0, len(members), rows[-1]):
+      part = members[lo:lo + rows[-1]]
+      u = next(r for r in rows if r >= len(part))
+      call = ExtendCall(tokens=np.full((u, t), pad_id, np.int32), starts=np.zeros((u,), np.int32),
+                        lengths=np.ones((u,), np.int32), pool_rows=np.zeros((u,), np.int32),
+                        slots=np.full((u,), n_slots, np.int32), counts=np.zeros((u,), np.uint32),
+                        bound=buckets.decode_length(max(int(starts[i]) for i in part)), users=[])
+      for r, i in enumerate(part):
+        c = np.asarray(chunks[i], np.int32)
+        call.tokens[r, :len(c)] = c
+        call.starts[r], call.lengths[r] = int(starts[i]), len(c)
+        call.pool_rows[r], call.slots[r], call.counts[r] = int(pool_rows[i]), int(slots[i]), next_count()
+        call.users.append((i, r))
+      calls.append(call)
+      work.calls += 1
+      work.computed_tokens += sum(len(chunks[i]) for i in part)
       work.padded_tokens += u * t
   return calls, work

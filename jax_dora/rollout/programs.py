@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dora.model import KVCache
 from jax_dora.rollout.buckets import ProgramBuckets
 from jax_dora.rollout.device_steps import DeviceSteps
 from jax_dora.rollout.engine_types import DecodeHint, DecodeState, MultiVersionParams, Params, Prefix
@@ -56,6 +57,10 @@ class EnginePrograms:
     self._pass = jax.jit(steps.decode_pass, static_argnames=("size", "bound"),
                          donate_argnums=(2,), out_shardings=self._acc_sharding)
     self._finish = jax.jit(steps.finish_step, donate_argnums=(0,), out_shardings=result)
+    # Multi-turn: a held turn's cache row parked in the pool, and resumed from it.
+    self._park = jax.jit(steps.park, static_argnames=("length",), donate_argnums=(1,))
+    self._extend = jax.jit(steps.extend_batch, static_argnames=("bound",), donate_argnums=(1,),
+                           out_shardings=(st, r))
     self._init = jax.jit(steps.init_state, static_argnums=(1,), out_shardings=st)
     self._free = jax.jit(steps.free, donate_argnums=(0,), out_shardings=st)
 
@@ -75,6 +80,42 @@ class EnginePrograms:
         jax.ShapeDtypeStruct((rows, length), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
         per_slot, per_slot, jax.ShapeDtypeStruct((n,), jnp.uint32), np.int32(0),
         jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self.placement.replicated))
+
+  def abstract_pool(self, rows: int) -> KVCache:
+    shapes = jax.eval_shape(lambda: KVCache.zeros(self.steps.model_cfg, rows))
+    return _with_shardings(shapes, self.placement.held_pool(rows))
+
+  def init_pool(self, rows: int) -> KVCache:
+    """The held-KV pool: ``rows`` cache rows beside the decode state's."""
+    return jax.jit(lambda: KVCache.zeros(self.steps.model_cfg, rows),
+                   out_shardings=self.placement.held_pool(rows))()
+
+  def lower_extend(self, pool_rows: int, rows: int, length: int, bound: int):
+    """The held-context resume program (``rows`` chunks of padded ``length``, attention
+    bound ``bound``) for a pool of ``pool_rows``, lowered."""
+    per_row = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    return self._extend.lower(
+        self.placement.abstract_params(), self.abstract_state(), self.abstract_pool(pool_rows),
+        jax.ShapeDtypeStruct((rows, length), jnp.int32), per_row, per_row, per_row, per_row,
+        jax.ShapeDtypeStruct((rows,), jnp.uint32), np.int32(0),
+        jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self.placement.replicated), bound=bound)
+
+  def warmup_held(self, pool_rows: int) -> None:
+    """Compiles the park and resume programs of a ``pool_rows`` pool: every decode length
+    (park, resume bound) x the resume chunk's length and row buckets."""
+    state, pool = self.abstract_state(), self.abstract_pool(pool_rows)
+    for bound in self.buckets.decode_lengths:
+      self._park.lower(state, pool, np.int32(0), np.int32(0), length=bound).compile()
+      for t in self.extend_lengths():
+        for u in self.buckets.prefill_rows(t):
+          self.lower_extend(pool_rows, u, t, bound).compile()
+
+  def extend_lengths(self) -> tuple[int, ...]:
+    """Padded chunk lengths of a held-context resume: the prefill lengths up to half the
+    cache (a longer chunk is a long observation: it re-prefills instead)."""
+    half = self.buckets.max_seq_len // 2
+    return tuple(t for t in self.buckets.prefill_lengths if t <= half) or (
+        self.buckets.prefill_lengths[0],)
 
   def lower_decode(self, bound: int):
     """The single-version decode program at attention bound ``bound``, lowered."""
@@ -113,6 +154,7 @@ class EnginePrograms:
   def compiled(self) -> dict[str, int]:
     """Executables compiled so far per program (one per bucket: the "compiles once" check)."""
     fns = {"prefill": self._prefill, "prefill_prefix": self._prefill_prefix,
+           "park": self._park, "extend": self._extend,
            "insert": self._insert, "decode": self._single, "decode_pass": self._pass,
            "decode_commit": self._finish, "free": self._free}
     return {name: fn._cache_size() for name, fn in fns.items()}  # pylint: disable=protected-access
@@ -141,6 +183,18 @@ class EnginePrograms:
     """Runs one planned batched prefill call (``state`` donated)."""
     return self._prefill(params, state, call.tokens, call.lengths, call.src, call.dst,
                          call.counts, np.int32(version), base_key)
+
+  def park(self, state: DecodeState, pool: KVCache, slot: int, pool_row: int,
+           length: int) -> KVCache:
+    """Copies ``slot``'s first ``length`` entries (a decode-length bucket) into the pool."""
+    return self._park(state, pool, np.int32(slot), np.int32(pool_row), length=length)
+
+  def extend(self, params: Params, state: DecodeState, pool: KVCache, call, version: int,
+             base_key: jax.Array, bound: int):
+    """Runs one planned held-context resume call (``state`` donated)."""
+    return self._extend(params, state, pool, call.tokens, call.starts, call.lengths,
+                        call.pool_rows, call.slots, call.counts, np.int32(version), base_key,
+                        bound=bound)
 
   def prefill_prefix(self, params: Params, tokens: jax.Array, true_length: int, version: int,
                      count: int, base_key: jax.Array) -> Prefix:

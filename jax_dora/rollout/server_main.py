@@ -98,12 +98,17 @@ def build_driver(config, snapshot_dir: str, name: str):
       )
     devices = devices[:n]
   engine = engine_lib.build_engine(config, devices)
+  from jax_dora.config import RunConfig  # pylint: disable=g-import-not-at-top
+
+  config = RunConfig.of(config)
   return driver_lib.RolloutDriver(
       engine,
       snapshot_dir,
       max_versions=config.rollout.max_versions,
       name=name,
       precompile=config.precompile,
+      hold_timeout_s=config.rollout.hold_timeout_s,
+      held_kv_slots=config.held_kv_rows,
   ), devices
 
 

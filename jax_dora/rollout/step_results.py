@@ -46,7 +46,12 @@ def first_tokens(step: DispatchedStep, slots: SlotTable
     s = slots.occupants[slot]
     if kept and f.routes is not None:
       # The context's routes: recorded ones (a resume, a tool turn) stay.
-      fresh = host[id(f.routes)][f.context][:s.context_len]
+      got = host[id(f.routes)][f.context]
+      if f.offset:  # a held-context resume ran only the positions from its offset on
+        fresh = np.full((s.context_len,) + got.shape[1:], routing.no_route(got.dtype), got.dtype)
+        fresh[f.offset:] = got[:s.context_len - f.offset]
+      else:
+        fresh = got[:s.context_len]
       s.routes[:s.context_len] = routing.keep_recorded(s.request.resume_routing, fresh)
   return rows[keep], values[keep, 0].astype(np.int32), values[keep, 1]
 
