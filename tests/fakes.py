@@ -153,7 +153,8 @@ class FakeRolloutServer:
     # Multi-turn: ``script(sample_id, member, text so far) -> text to generate``
     # (CharTokenizer characters; EOS follows unless a stop string ends the turn).
     self.script = script
-    self.holds: dict[str, int] = {}  # hold id -> version (RolloutRequest.hold)
+    # hold id -> the version it pins (RolloutRequest.hold; None: keep_version=False)
+    self.holds: dict[str, int | None] = {}
     self.hold_takeovers = 0
     self.seed = seed
     self.loaded: set[int] = set()
@@ -179,7 +180,7 @@ class FakeRolloutServer:
     self._retire_unused()
 
   def _retire_unused(self) -> None:
-    in_use = set(self.active.values()) | set(self.holds.values())
+    in_use = set(self.active.values()) | {v for v in self.holds.values() if v is not None}
     self.loaded = {v for v in self.loaded if v == self.newest or v in in_use}
 
   async def generate(self, req: RolloutRequest) -> RolloutResult:
@@ -188,7 +189,7 @@ class FakeRolloutServer:
         held if held is not None else self.newest)
     if version is None or version not in self.loaded:
       raise VersionUnavailableError(f"{self.name}: version {version} is not loaded")
-    if held is not None:
+    if req.hold in self.holds:
       del self.holds[req.hold]  # this turn's own pin (self.active) takes over
       self.hold_takeovers += 1
     _, sample_id, member, _ = req.request_id.rsplit("-", 3)
@@ -237,7 +238,7 @@ class FakeRolloutServer:
       del self.active[req.request_id]
       self._aborted.discard(req.request_id)
       if req.hold:
-        self.holds[req.hold] = version
+        self.holds[req.hold] = version if req.keep_version else None
       self._retire_unused()
     if len(tokens) > start:
       spans.append(TokenSpan(start, len(tokens), version))

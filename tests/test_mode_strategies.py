@@ -79,9 +79,10 @@ def run_mode(tmp_path: pathlib.Path, mode: str, *, steps: int = 6, max_staleness
   servers = [FakeRolloutServer(f"fake{i}", board, slots=4, seed=1, script=script)
              for i in range(2)]
   log_path = tmp_path / f"{mode}.jsonl"
+  hops = bool(cfg.tools.name) and cfg.orchestrator.turn_version == "newest"  # RunConfig.turn_hops
   ledger = IntegrityLedger(log_path, group_size=GROUP, max_staleness=max_staleness,
                            allow_multi_version=mode_class(mode).resumes_rollouts,
-                           incarnation="fake")
+                           allow_turn_hops=hops, incarnation="fake")
   dispatcher = Dispatcher(servers, on_reissue=ledger.reissued, seed=0, incarnation="fake")
   metrics = ListMetrics()
   aborts: list[int] = []
@@ -105,8 +106,8 @@ def run_mode(tmp_path: pathlib.Path, mode: str, *, steps: int = 6, max_staleness
   summary = asyncio.run(main())
   ledger.close()
   trained = IntegrityLedger.from_log(log_path, group_size=GROUP, max_staleness=max_staleness,
-                                     allow_multi_version=mode_class(mode).resumes_rollouts
-                                     ).trained_records()
+                                     allow_multi_version=mode_class(mode).resumes_rollouts,
+                                     allow_turn_hops=hops).trained_records()
   return Outcome(summary, trained, metrics.records, servers, aborts[0] if aborts else 0,
                  board.published, learner)
 

@@ -4,10 +4,12 @@ The fake rollout servers follow a script: the first turn writes a product and
 stops at the calculator's marker (``"12*34="``); after the observation
 (``"[408]"``) the second turn writes an answer. The real orchestrator,
 dispatcher, ledger and calculator tool run the turns. Checked against the
-definition of each mode: in ``dora`` every token of a trajectory is sampled
-by one version, also when versions are published while the tool runs (the
-version is held on its server and the next turn goes there); in
-``async_unfiltered`` turns may move to newer versions. The learner's row is
+definition of each mode: with ``orchestrator.turn_version=held`` every token
+of a ``dora`` trajectory is sampled by one version, also when versions are
+published while the tool runs (the version is held on its server and the
+next turn goes there); with ``newest`` (the default) each turn is one version
+and a turn may start on a newer one; in ``async_unfiltered`` turns may move
+to newer versions anywhere. The learner's row is
 byte for byte the sampled ids plus the observation ids.
 """
 
@@ -47,7 +49,7 @@ def _run(tmp_path, mode, **kw):
 
 @pytest.mark.parametrize("mode", ["dora", "dora_pace", "sync"])
 def test_each_turn_stays_on_the_trajectorys_version(tmp_path, mode):
-  out, metrics = _run(tmp_path, mode)
+  out, metrics = _run(tmp_path, mode, **{"orchestrator.turn_version": "held"})
   assert out.summary["integrity_violations"] == []
   assert len(out.trained) == 6 * GROUP * GROUPS_PER_STEP
   for r in out.trained:
@@ -66,6 +68,28 @@ def test_each_turn_stays_on_the_trajectorys_version(tmp_path, mode):
   assert sum(s.hold_takeovers for s in out.servers) >= len(out.trained)
   assert all(not s.holds for s in out.servers)
   assert out.records[-1]["tools/calls_per_trajectory"] == 1.0
+
+
+def test_a_per_turn_hop_changes_versions_only_between_turns(tmp_path):
+  """``turn_version=newest``: a turn runs on the newest version when it starts and keeps it
+  to its end; the hold pins nothing (no version stays loaded for it), the audit is clean."""
+  with ToolExecutor(["calculator"], max_concurrency=4, extra_latency_s=0.05) as tools:
+    out = run_mode(tmp_path, "dora", step_s=0.01, script=calculator_script,
+                   tool_executor=tools, **{"tools.name": "calculator",
+                                           "orchestrator.turn_version": "newest"})
+  assert out.summary["integrity_violations"] == []
+  moved = 0
+  for r in out.trained:
+    (ctx,) = r["context"]
+    turns = [{v for s, e, v in r["spans"] if e <= ctx[0]}, {v for s, e, v in r["spans"]
+                                                             if s >= ctx[1]}]
+    assert all(len(t) == 1 for t in turns), r["spans"]  # one version per turn
+    moved += turns[0] != turns[1]
+    assert staleness(r) <= 2
+  # Versions were published during tool calls (50 ms each, learner steps of 10 ms):
+  # some second turns started on a newer version than their first.
+  assert moved > 0
+  assert all(not s.holds for s in out.servers)
 
 
 def test_async_unfiltered_turns_may_move_to_newer_versions(tmp_path):

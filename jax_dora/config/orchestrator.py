@@ -20,7 +20,7 @@ class OrchestratorConfig(ConfigBlock):
       2, "Hard bound: no trajectory is trained more than this many versions after the version"
       " that generated its oldest token.")
   turn_version: str = field(
-      "held", "Multi-turn, in the modes that never move a trajectory to another version (sync,"
+      "newest", "Multi-turn, in the modes that never move a trajectory to another version (sync,"
       " one_step_off, dora, dora_pace): held = every turn runs on the version the trajectory"
       " started with, pinned on its server through each tool call (intra-trajectory"
       " consistency); newest = each turn starts on the newest version and the turn's version is"
