@@ -371,6 +371,20 @@ async def test_auto_isolation_probes_once():
   tool.close()
 
 
+async def test_a_venv_reached_through_a_linked_directory_keeps_its_isolation(tmp_path):
+  """The private root binds resolved prefixes: an interpreter whose directory is a link
+  (a venv symlinked into a checkout) runs by its real path there, instead of failing the
+  trial call and falling back to the weaker isolation."""
+  link = tmp_path / "venv"
+  link.symlink_to(os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))))
+  tool = PythonTool(limits=LIMITS, python=str(link / "bin" / os.path.basename(sys.executable)))
+  assert await tool.resolve_isolation() == (
+      sandbox.NAMESPACES if NS_REASON is None else sandbox.PROCESS)
+  result = await tool.run(ToolCall("python", "print(6 * 7)"))
+  assert result.status == "ok" and result.observation.strip() == "42", result
+  tool.close()
+
+
 def test_registry_and_options():
   assert isinstance(make_tool("python", max_output_bytes=10), PythonTool)
   with pytest.raises(UnknownNameError, match="known tools: .*python"):

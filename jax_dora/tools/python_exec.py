@@ -119,7 +119,12 @@ class PythonTool:
       raise ValueError(f"max_output_bytes must be > 0, got {max_output_bytes}")
     self.limits = limits or sandbox.Limits()
     self.max_output_bytes = int(max_output_bytes)
-    self.python = python or sys.executable
+    # Its directory resolved (the file itself may stay a link, as a venv's is): the
+    # sandbox's private root binds resolved prefixes, so a venv reached through a
+    # linked directory must be run by its real path there.
+    python = python or sys.executable
+    self.python = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(python))),
+                               os.path.basename(python))
     if not os.access(self.python, os.X_OK):
       raise ValueError(f"python tool: interpreter {self.python!r} is not executable")
     self.protected = tuple(os.path.abspath(p) for p in protected)
