@@ -271,7 +271,7 @@ class DoraEngine(engine_api.Engine):
     state = decode_state
     for call in calls:
       state, (values, routes) = self.programs.extend(params, state, pool, call, version,
-                                                     self._base_key, call.bound)
+                                                     self._base_key)
       for i, row in call.users:
         firsts[i] = FirstToken(values, row, routes, row, offset=int(starts[i]))
     return state, firsts, work

@@ -21,12 +21,15 @@ only (nothing here touches the device or JAX):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 
 from jax_dora.rollout.buckets import ProgramBuckets
 from jax_dora.rollout.engine_types import PrefillWork
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -46,6 +49,18 @@ class PrefillCall:
   dst: np.ndarray
   counts: np.ndarray
   users: list[tuple[int, int, int]]
+
+
+def _calls(by_length: dict[int, list[T]], buckets: ProgramBuckets
+           ) -> Iterator[tuple[int, list[T], int]]:
+  """``(padded length, members, padded rows)`` of each device call: members grouped by
+  padded length, cut into calls of at most ``prefill_rows(length)[-1]`` members, each padded
+  to the smallest row bucket that holds it (static shapes)."""
+  for t, members in sorted(by_length.items()):
+    rows = buckets.prefill_rows(t)
+    for lo in range(0, len(members), rows[-1]):
+      part = members[lo:lo + rows[-1]]
+      yield t, part, next(r for r in rows if r >= len(part))
 
 
 def plan_prefill(contexts: Sequence[np.ndarray], slots: Sequence[int], buckets: ProgramBuckets,
@@ -77,27 +92,23 @@ def plan_prefill(contexts: Sequence[np.ndarray], slots: Sequence[int], buckets: 
     by_length.setdefault(buckets.prefill_length(len(c)), []).append((c, users))
   work = PrefillWork(requests=len(ctxs), requested_tokens=sum(len(c) for c in ctxs))
   calls = []
-  for t, entries in sorted(by_length.items()):
-    rows = buckets.prefill_rows(t)
-    for lo in range(0, len(entries), rows[-1]):
-      chunk = entries[lo:lo + rows[-1]]
-      u = next(r for r in rows if r >= len(chunk))
-      call = PrefillCall(tokens=np.full((u, t), pad_id, np.int32), lengths=np.ones((u,), np.int32),
-                         src=np.zeros((n_slots,), np.int32),
-                         dst=np.full((n_slots,), n_slots, np.int32),  # out of range = dropped
-                         counts=np.zeros((n_slots,), np.uint32), users=[])
-      row = 0
-      for j, (c, users) in enumerate(chunk):
-        call.tokens[j, :len(c)] = c
-        call.lengths[j] = len(c)
-        for i in users:
-          call.src[row], call.dst[row], call.counts[row] = j, int(slots[i]), next_count()
-          call.users.append((i, row, j))
-          row += 1
-      calls.append(call)
-      work.calls += 1
-      work.computed_tokens += sum(len(c) for c, _ in chunk)
-      work.padded_tokens += u * t
+  for t, chunk, u in _calls(by_length, buckets):
+    call = PrefillCall(tokens=np.full((u, t), pad_id, np.int32), lengths=np.ones((u,), np.int32),
+                       src=np.zeros((n_slots,), np.int32),
+                       dst=np.full((n_slots,), n_slots, np.int32),  # out of range = dropped
+                       counts=np.zeros((n_slots,), np.uint32), users=[])
+    row = 0
+    for j, (c, users) in enumerate(chunk):
+      call.tokens[j, :len(c)] = c
+      call.lengths[j] = len(c)
+      for i in users:
+        call.src[row], call.dst[row], call.counts[row] = j, int(slots[i]), next_count()
+        call.users.append((i, row, j))
+        row += 1
+    calls.append(call)
+    work.calls += 1
+    work.computed_tokens += sum(len(c) for c, _ in chunk)
+    work.padded_tokens += u * t
   return calls, work
 
 
@@ -139,23 +150,19 @@ def plan_extend(chunks: Sequence[np.ndarray], starts: Sequence[int], pool_rows: 
   work = PrefillWork(requests=len(chunks),
                      requested_tokens=sum(int(s) + len(c) for s, c in zip(starts, chunks)))
   calls = []
-  for t, members in sorted(by_length.items()):
-    rows = buckets.prefill_rows(t)
-    for lo in range(0, len(members), rows[-1]):
-      part = members[lo:lo + rows[-1]]
-      u = next(r for r in rows if r >= len(part))
-      call = ExtendCall(tokens=np.full((u, t), pad_id, np.int32), starts=np.zeros((u,), np.int32),
-                        lengths=np.ones((u,), np.int32), pool_rows=np.zeros((u,), np.int32),
-                        slots=np.full((u,), n_slots, np.int32), counts=np.zeros((u,), np.uint32),
-                        bound=buckets.decode_length(max(int(starts[i]) for i in part)), users=[])
-      for r, i in enumerate(part):
-        c = np.asarray(chunks[i], np.int32)
-        call.tokens[r, :len(c)] = c
-        call.starts[r], call.lengths[r] = int(starts[i]), len(c)
-        call.pool_rows[r], call.slots[r], call.counts[r] = int(pool_rows[i]), int(slots[i]), next_count()
-        call.users.append((i, r))
-      calls.append(call)
-      work.calls += 1
-      work.computed_tokens += sum(len(chunks[i]) for i in part)
-      work.padded_tokens += u * t
+  for t, part, u in _calls(by_length, buckets):
+    call = ExtendCall(tokens=np.full((u, t), pad_id, np.int32), starts=np.zeros((u,), np.int32),
+                      lengths=np.ones((u,), np.int32), pool_rows=np.zeros((u,), np.int32),
+                      slots=np.full((u,), n_slots, np.int32), counts=np.zeros((u,), np.uint32),
+                      bound=buckets.decode_length(max(int(starts[i]) for i in part)), users=[])
+    for r, i in enumerate(part):
+      c = np.asarray(chunks[i], np.int32)
+      call.tokens[r, :len(c)] = c
+      call.starts[r], call.lengths[r] = int(starts[i]), len(c)
+      call.pool_rows[r], call.slots[r], call.counts[r] = int(pool_rows[i]), int(slots[i]), next_count()
+      call.users.append((i, r))
+    calls.append(call)
+    work.calls += 1
+    work.computed_tokens += sum(len(chunks[i]) for i in part)
+    work.padded_tokens += u * t
   return calls, work

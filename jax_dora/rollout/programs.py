@@ -24,7 +24,7 @@ from jax_dora.rollout.buckets import ProgramBuckets
 from jax_dora.rollout.device_steps import DeviceSteps
 from jax_dora.rollout.engine_types import DecodeHint, DecodeState, MultiVersionParams, Params, Prefix
 from jax_dora.rollout.placement import EnginePlacement
-from jax_dora.rollout.prefill_plan import PrefillCall
+from jax_dora.rollout.prefill_plan import ExtendCall, PrefillCall
 
 
 def _with_shardings(shapes, shardings):
@@ -189,12 +189,12 @@ class EnginePrograms:
     """Copies ``slot``'s first ``length`` entries (a decode-length bucket) into the pool."""
     return self._park(state, pool, np.int32(slot), np.int32(pool_row), length=length)
 
-  def extend(self, params: Params, state: DecodeState, pool: KVCache, call, version: int,
-             base_key: jax.Array, bound: int):
-    """Runs one planned held-context resume call (``state`` donated)."""
+  def extend(self, params: Params, state: DecodeState, pool: KVCache, call: ExtendCall,
+             version: int, base_key: jax.Array):
+    """Runs one planned held-context resume call at its bound (``state`` donated)."""
     return self._extend(params, state, pool, call.tokens, call.starts, call.lengths,
                         call.pool_rows, call.slots, call.counts, np.int32(version), base_key,
-                        bound=bound)
+                        bound=call.bound)
 
   def prefill_prefix(self, params: Params, tokens: jax.Array, true_length: int, version: int,
                      count: int, base_key: jax.Array) -> Prefix:
