@@ -28,11 +28,32 @@ CFG = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=2, n_heads=4, 
 STOP = ("=", "+", "-")  # a random policy samples one of these about once in 15 tokens
 
 
-def _full_logp(params, seq):
-  """Full-forward log-probs without PAD (0) and BOS (1), which are never sampled."""
-  seq = jnp.asarray(seq, jnp.int32)[None]
-  logits = Transformer(CFG).apply({"params": params}, seq, jnp.arange(seq.shape[1])[None])
-  return np.asarray(jax.nn.log_softmax(logits[0].at[:, [0, 1]].set(-jnp.inf), axis=-1))
+def _continuation_logp(params, prompt: np.ndarray, result: api.RolloutResult, k: int,
+                       model_cfg: ModelConfig = CFG) -> np.ndarray:
+  """The oracle: the full-forward log-probs (without PAD (0) and BOS (1), which are never
+  sampled) of ``result``'s completion tokens after its first ``k``, given everything before."""
+  seq = np.concatenate([prompt, result.completion_tokens])
+  logits = Transformer(model_cfg).apply({"params": params}, jnp.asarray(seq, jnp.int32)[None],
+                                        jnp.arange(len(seq))[None])
+  logp = np.asarray(jax.nn.log_softmax(logits[0].at[:, [0, 1]].set(-jnp.inf), axis=-1))
+  p = len(prompt)
+  return logp[np.arange(p + k - 1, len(seq) - 1), seq[p + k:]]
+
+
+def _prompt(hold: str) -> np.ndarray:
+  """The prompt of hold ``{letter}{i}`` (``"a3"``: ``"3*3"``)."""
+  return TOK.encode(f"{hold[1:]}*{hold[1:]}", is_bos=True)[0]
+
+
+def _next_turn(name: str, hold: str, first: api.RolloutResult, observation=(), **kw
+               ) -> api.RolloutRequest:
+  """The request continuing turn ``first`` of ``hold`` after ``observation`` (context)."""
+  obs = np.asarray(observation, np.int32)
+  return api.RolloutRequest(
+      name, _prompt(hold), hold=hold,
+      resume_tokens=np.concatenate([first.completion_tokens, obs]).astype(np.int32),
+      resume_logprobs=np.concatenate([first.logprobs, np.zeros(len(obs), np.float32)]),
+      resume_spans=first.spans, **kw)
 
 
 def test_extend_equals_prefill_of_the_whole_context():
@@ -66,9 +87,9 @@ def _served(tmp_path):
 def _first_turns(col: Collector, n: int, holds: str) -> dict[str, api.RolloutResult]:
   """``n`` first turns (holds ``{holds}{i}``) ending at a stop string after >= 2 tokens."""
   ids = [f"{holds}{i}" for i in range(n)]
-  for i, rid in enumerate(ids):
-    col.submit(api.RolloutRequest(rid, TOK.encode(f"{i}*{i}", is_bos=True)[0], max_new_tokens=30,
-                                  stop_strings=STOP, hold=rid))
+  for rid in ids:
+    col.submit(api.RolloutRequest(rid, _prompt(rid), max_new_tokens=30, stop_strings=STOP,
+                                  hold=rid))
   col.wait(lambda: all(r in col.terminal for r in ids))
   return {r: col.terminal[r] for r in ids if col.terminal[r].finish_reason == "stop"
           and len(col.terminal[r].completion_tokens) >= 2}
@@ -94,15 +115,12 @@ def test_next_turn_prefills_only_its_observation_and_stays_exact(served):
   driver.load_version(1)
   observation = TOK.encode(" out: 42 ")[0]
   hold = next(h for h in firsts if h in driver.held.holds())  # one still in the pool
-  first = firsts[hold]
-  prompt = TOK.encode(f"{hold[1:]}*{hold[1:]}", is_bos=True)[0]
-  resume = np.concatenate([first.completion_tokens, observation]).astype(np.int32)
-  logps = np.concatenate([first.logprobs, np.zeros(len(observation), np.float32)])
+  first, prompt = firsts[hold], _prompt(hold)
+  turn2 = _next_turn("turn2", hold, first, observation, max_new_tokens=60)
+  resume = turn2.resume_tokens
   before = driver.status()
   col.submit(api.RolloutRequest("other", TOK.encode("7*7", is_bos=True)[0], max_new_tokens=30))
-  col.submit(api.RolloutRequest(
-      "turn2", prompt, max_new_tokens=60, hold=hold, resume_tokens=resume, resume_logprobs=logps,
-      resume_spans=first.spans))
+  col.submit(turn2)
   col.wait(lambda: "turn2" in col.terminal and "other" in col.terminal)
   second, after = col.terminal["turn2"], driver.status()
   assert col.terminal["other"].spans[0].version == 1
@@ -118,10 +136,7 @@ def test_next_turn_prefills_only_its_observation_and_stays_exact(served):
   assert after.resumed_prefill_tokens == before.resumed_prefill_tokens  # nothing re-prefilled
   k = len(resume)
   np.testing.assert_array_equal(second.completion_tokens[:k], resume)
-  seq = np.concatenate([prompt, second.completion_tokens])
-  logp = _full_logp(params[0], seq)
-  p = len(prompt)
-  ref = logp[np.arange(p + k - 1, len(seq) - 1), seq[p + k:]]
+  ref = _continuation_logp(params[0], prompt, second, k)
   assert len(ref) >= 1
   np.testing.assert_allclose(second.logprobs[k:], ref, atol=1e-4)
 
@@ -139,31 +154,21 @@ def test_fallbacks_are_counted_and_still_exact(served):
   in_pool = driver.held.holds()
   oldest = next(h for h in firsts if h not in in_pool)  # its entry made room for others
   first = firsts[oldest]
-  prompt = TOK.encode(f"{oldest[1:]}*{oldest[1:]}", is_bos=True)[0]
   before = driver.status()
-  col.submit(api.RolloutRequest(
-      "evicted", prompt, max_new_tokens=40, hold=oldest,
-      resume_tokens=first.completion_tokens, resume_logprobs=first.logprobs,
-      resume_spans=first.spans))
+  col.submit(_next_turn("evicted", oldest, first, max_new_tokens=40))
   col.wait(lambda: "evicted" in col.terminal)
   after = driver.status()
   assert after.held_kv_fallbacks["evicted"] - before.held_kv_fallbacks["evicted"] == 1
   assert after.resumed_prefill_tokens - before.resumed_prefill_tokens == len(first.completion_tokens)
   res = col.terminal["evicted"]
   k = len(first.completion_tokens)
-  seq = np.concatenate([prompt, res.completion_tokens])
-  ref = _full_logp(params[0], seq)[np.arange(len(prompt) + k - 1, len(seq) - 1),
-                                   seq[len(prompt) + k:]]
+  ref = _continuation_logp(params[0], _prompt(oldest), res, k)
   np.testing.assert_allclose(res.logprobs[k:], ref, atol=1e-4)
   # A next turn that names another version than its held entry's re-prefills ("version").
   newest = next(h for h in firsts if h in in_pool)
   publisher.publish(1, params[1])
   driver.load_version(1)
-  first = firsts[newest]
-  col.submit(api.RolloutRequest(
-      "moved", TOK.encode(f"{newest[1:]}*{newest[1:]}", is_bos=True)[0], max_new_tokens=40,
-      hold=newest, version=1, resume_tokens=first.completion_tokens,
-      resume_logprobs=first.logprobs, resume_spans=first.spans))
+  col.submit(_next_turn("moved", newest, firsts[newest], max_new_tokens=40, version=1))
   col.wait(lambda: "moved" in col.terminal)
   assert driver.status().held_kv_fallbacks["version"] == 1
   assert col.terminal["moved"].spans[-1].version == 1
@@ -179,9 +184,9 @@ def test_a_hop_hold_pins_nothing_and_reuses_only_on_the_same_version(served):
   driver.load_version(0)
   col = Collector(driver)
   ids = [f"h{i}" for i in range(6)]
-  for i, rid in enumerate(ids):
-    col.submit(api.RolloutRequest(rid, TOK.encode(f"{i}*{i}", is_bos=True)[0], max_new_tokens=30,
-                                  stop_strings=STOP, hold=rid, keep_version=False))
+  for rid in ids:
+    col.submit(api.RolloutRequest(rid, _prompt(rid), max_new_tokens=30, stop_strings=STOP,
+                                  hold=rid, keep_version=False))
   col.wait(lambda: all(r in col.terminal for r in ids))
   stopped = [r for r in ids if col.terminal[r].finish_reason == "stop"
              and r in driver.held.holds()]
@@ -191,11 +196,7 @@ def test_a_hop_hold_pins_nothing_and_reuses_only_on_the_same_version(served):
   before = driver.status()
 
   def next_turn(rid: str, name: str) -> api.RolloutResult:
-    first = col.terminal[rid]
-    col.submit(api.RolloutRequest(
-        name, TOK.encode(f"{rid[1:]}*{rid[1:]}", is_bos=True)[0], max_new_tokens=40, hold=rid,
-        keep_version=False, resume_tokens=first.completion_tokens,
-        resume_logprobs=first.logprobs, resume_spans=first.spans))
+    col.submit(_next_turn(name, rid, col.terminal[rid], max_new_tokens=40, keep_version=False))
     col.wait(lambda: name in col.terminal)
     return col.terminal[name]
 
@@ -280,28 +281,22 @@ def test_held_resume_on_moe_and_tensor_parallel_servers(tmp_path, model_cfg, dev
     if not firsts:
       pytest.skip("the random policy met no stop string")
     hold, first = next(iter(firsts.items()))
-    prompt = TOK.encode(f"{hold[1:]}*{hold[1:]}", is_bos=True)[0]
+    prompt = _prompt(hold)
     observation = TOK.encode(" out: 7 ")[0]
-    resume = np.concatenate([first.completion_tokens, observation]).astype(np.int32)
     recorded = None
     if first.routing is not None:
       none = routing.sentinel(model_cfg.num_experts)
       recorded = np.concatenate([first.routing, np.full(
           (len(observation),) + first.routing.shape[1:], none, first.routing.dtype)])
-    col.submit(api.RolloutRequest(
-        "t2", prompt, max_new_tokens=60, hold=hold, resume_tokens=resume,
-        resume_logprobs=np.concatenate([first.logprobs, np.zeros(len(observation), np.float32)]),
-        resume_spans=first.spans, resume_routing=recorded))
+    col.submit(_next_turn("t2", hold, first, observation, max_new_tokens=60,
+                          resume_routing=recorded))
     col.wait(lambda: "t2" in col.terminal)
     res = col.terminal["t2"]
     assert driver.status().held_kv_resumed == 1
     seq = np.concatenate([prompt, res.completion_tokens])
-    k, p = len(resume), len(prompt)
-    logits = Transformer(model_cfg).apply({"params": params}, jnp.asarray(seq)[None],
-                                          jnp.arange(len(seq))[None])
-    logp = np.asarray(jax.nn.log_softmax(logits[0].at[:, [0, 1]].set(-jnp.inf), axis=-1))
-    np.testing.assert_allclose(res.logprobs[k:], logp[np.arange(p + k - 1, len(seq) - 1),
-                                                      seq[p + k:]], atol=1e-4)
+    k = len(first.completion_tokens) + len(observation)
+    np.testing.assert_allclose(res.logprobs[k:],
+                               _continuation_logp(params, prompt, res, k, model_cfg), atol=1e-4)
     if model_cfg is MOE:
       _, rec = Transformer(model_cfg).apply({"params": params}, jnp.asarray(seq)[None],
                                             jnp.arange(len(seq))[None],
