@@ -53,6 +53,54 @@ def build_tokenizer(out_dir: str, vocab_size: int = 300) -> str:
   return out_dir
 
 
+# Gemma's chat format (the released template's structure: BOS first, the system
+# message folded into the first user turn, "model" for the assistant's role,
+# every turn closed by <end_of_turn>).
+GEMMA_CHAT = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '')"
+    " + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def build_gemma_tokenizer(out_dir: str, vocab_size: int = 300) -> str:
+  """A byte-level BPE with Gemma's specials, BOS added to every encoding (as Gemma's
+  tokenizer does), its chat template, and a generation config that names only
+  ``<eos>``: the ``<end_of_turn>`` stop must come from the chat convention."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+  from transformers import PreTrainedTokenizerFast
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=GEMMA_SPECIALS,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(CORPUS * 4, trainer)
+  bos = tok.token_to_id("<bos>")
+  tok.post_processor = processors.TemplateProcessing(
+      single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos)])
+  fast = PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+      unk_token="<unk>", additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+  fast.chat_template = GEMMA_CHAT
+  os.makedirs(out_dir, exist_ok=True)
+  fast.save_pretrained(out_dir)
+  with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": tok.token_to_id("<eos>"), "bos_token_id": bos,
+               "pad_token_id": tok.token_to_id("<pad>")}, f)
+  return out_dir
+
+
 def model_config(kind: str, vocab_size: int, **overrides):
   """A few-layer config of family ``kind`` exercising GQA and the family's quirks."""
   import transformers
@@ -82,6 +130,31 @@ def model_config(kind: str, vocab_size: int, **overrides):
         **common, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+  elif kind == "gemma2":
+    # Untied; local, global, local layers with a window of 5 (the tests' sequences are
+    # longer); soft-capping at levels a random model's scores and logits really reach.
+    cfg = transformers.Gemma2Config(
+        **dict(common, num_hidden_layers=3), head_dim=24, rope_theta=10000.0,
+        tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention",
+                                          "sliding_attention"],
+        sliding_window=5, query_pre_attn_scalar=32, attn_logit_softcapping=1.5,
+        final_logit_softcapping=2.0, hidden_activation="gelu_pytorch_tanh")
+  elif kind in ("gemma3", "gemma3_b"):
+    # Tied; QK-norm; local layers on a 10k RoPE base, global ones on 1M with linear x4
+    # scaling. gemma3: local, local, global, local (window 6); gemma3_b: global first,
+    # then local, window 4, and a final-logit cap.
+    types = (["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+             if kind == "gemma3" else ["full_attention", "sliding_attention"])
+    cfg = transformers.Gemma3TextConfig(
+        **dict(common, num_hidden_layers=len(types)), head_dim=24, tie_word_embeddings=True,
+        layer_types=types, sliding_window=6 if kind == "gemma3" else 4,
+        query_pre_attn_scalar=20,
+        final_logit_softcapping=None if kind == "gemma3" else 2.5,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        hidden_activation="gelu_pytorch_tanh")
+    cfg.architectures = ["Gemma3ForCausalLM"]
   else:
     raise ValueError(kind)
   for k, v in overrides.items():
@@ -115,10 +188,15 @@ def build_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0,
         # differently by float rounding, and the parity tests would compare
         # different experts.
         p.mul_(30.0)
+      if kind == "gemma2" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        # Scores large enough that the attention soft-cap (1.5) really bends them.
+        p.mul_(6.0)
   model = model.to(getattr(torch, dtype)).eval()
   model.save_pretrained(out_dir, max_shard_size="40KB" if shard else "10GB")
   for f in os.listdir(tokenizer_dir):
     shutil.copy2(os.path.join(tokenizer_dir, f), os.path.join(out_dir, f))
+  if kind.startswith("gemma"):  # its tokenizer brought its own generation config
+    return model
   tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
   with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
     # Two stop ids, as chat models have: end of turn and end of text.

@@ -25,7 +25,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
-  """``{"tokenizer": dir, "llama"|"qwen2"|"qwen3"|"qwen3_moe"|"qwen2_moe": model dir, "qwen2_b": a second qwen2}``.
+  """``{"tokenizer": dir, "llama"|"qwen2"|"qwen3"|"qwen3_moe"|"qwen2_moe": model dir, "qwen2_b": a
+  second qwen2, "gemma_tokenizer": dir, "gemma2"|"gemma3"|"gemma3_b": model dir}``.
 
   Built once per session with ``transformers`` (see ``_hf``).
   """
@@ -40,4 +41,8 @@ def hf_dirs(tmp_path_factory):
     out[kind] = d
   out["qwen2_b"] = str(root / "qwen2_b")
   _hf.build_model("qwen2", out["qwen2_b"], tok, seed=2)
+  out["gemma_tokenizer"] = gemma_tok = _hf.build_gemma_tokenizer(str(root / "gemma_tokenizer"))
+  for kind in ("gemma2", "gemma3", "gemma3_b"):
+    out[kind] = str(root / kind)
+    _hf.build_model(kind, out[kind], gemma_tok, seed=1)
   return out

@@ -81,3 +81,24 @@ def test_missing_or_templateless_tokenizer_is_a_clear_error(hf_dirs, tmp_path):
   (d / "generation_config.json").write_text("{not json")
   with pytest.raises(TokenizerLoadError, match="generation_config.json"):
     HFTokenizer(str(d), "raw")
+
+
+def test_gemma_conventions_bos_first_once_and_end_of_turn_stops(hf_dirs):
+  """Gemma's tokenizer adds BOS to every encoding and its chat template writes one too:
+  the prompt has exactly one, first (ids written by hand from the vocabulary, not
+  re-derived by the code under test); the generation config names only ``<eos>``, yet
+  ``<end_of_turn>``, which closes every chat turn, stops a completion."""
+  tok_dir = hf_dirs["gemma3"]
+  vocab = transformers.AutoTokenizer.from_pretrained(tok_dir).get_vocab()
+  bos, eos, eot, sot = (vocab[t] for t in ("<bos>", "<eos>", "<end_of_turn>", "<start_of_turn>"))
+  chat = HFTokenizer(tok_dir, "chat").encode_prompt("What is 2 + 2?").tolist()
+  assert chat[0] == bos and chat.count(bos) == 1 and chat[1] == sot
+  raw = HFTokenizer(tok_dir, "raw").encode_prompt("What is 2 + 2?").tolist()
+  assert raw[0] == bos and raw.count(bos) == 1
+  tok = HFTokenizer(tok_dir, "chat")
+  assert tok.stop_tokens == {eos, eot}
+  assert eot not in tok.suppressed_ids(512) and bos in tok.suppressed_ids(512)
+  answer = tok.encode_ids("4")
+  assert tok.decode([*answer, eot, *answer]) == "4"
+  # A raw (base-model) prompt has no chat turns: only <eos> stops it.
+  assert HFTokenizer(tok_dir, "raw").stop_tokens == {eos}

@@ -1,5 +1,6 @@
-"""End to end on the real-model path: an HF-format Qwen2 checkpoint, its BPE tokenizer and
-chat template, a GSM8K-format JSONL file and the math-verify reward, in ``sync`` and
+"""End to end on the real-model path: an HF-format Qwen2 (and a Gemma 3: sliding-window and
+global layers, a final-logit soft-cap, BOS and ``<end_of_turn>`` conventions) checkpoint, its
+BPE tokenizer and chat template, a GSM8K-format JSONL file and the math-verify reward, in ``sync`` and
 ``dora_pace``, on 8 forced host devices (learner and rollout disjoint), then export.
 
 The model is tiny and random, so rewards are near zero: what is checked is that the
@@ -64,9 +65,10 @@ def real_model_config(hf_dir: str, tmp_path: pathlib.Path, mode: str):
   return cfg
 
 
-@pytest.mark.parametrize("mode", ["sync", "dora_pace"])
-def test_hf_model_trains_on_gsm8k_file_with_math_verify(hf_dirs, tmp_path, mode):
-  cfg = real_model_config(hf_dirs["qwen2"], tmp_path, mode)
+@pytest.mark.parametrize("family,mode", [("qwen2", "sync"), ("qwen2", "dora_pace"),
+                                         ("gemma3_b", "sync"), ("gemma3_b", "dora_pace")])
+def test_hf_model_trains_on_gsm8k_file_with_math_verify(hf_dirs, tmp_path, family, mode):
+  cfg = real_model_config(hf_dirs[family], tmp_path, mode)
   if mode == "dora_pace":
     # A random policy earns no reward (zero advantages, zero policy gradient):
     # weight decay is what moves its weights, so the export check below can
@@ -91,11 +93,13 @@ def test_hf_model_trains_on_gsm8k_file_with_math_verify(hf_dirs, tmp_path, mode)
     # masked distribution), so every importance ratio is 1.
     assert abs(recs[0]["train/ratio_mean"] - 1.0) < 1e-4
   model_cfg = json.loads((run / "model_config.json").read_text())
-  assert model_cfg["hf_path"] == hf_dirs["qwen2"] and model_cfg["model"]["n_kv_heads"] == 2
+  assert model_cfg["hf_path"] == hf_dirs[family] and model_cfg["model"]["n_kv_heads"] == 2
+  if family.startswith("gemma"):
+    assert model_cfg["model"]["local_layers"] == [1] and model_cfg["model"]["sliding_window"] == 4
   entries = [e for e in read_log(run / "trained_samples.jsonl") if e.get("event") == "trained"]
   assert entries, "no trained entries in the log"
   if mode == "dora_pace":
-    _check_export_loads_in_transformers(run, hf_dirs["qwen2"], tmp_path / "exported", version=3)
+    _check_export_loads_in_transformers(run, hf_dirs[family], tmp_path / "exported", version=3)
 
 
 def _check_export_loads_in_transformers(run: pathlib.Path, start_dir: str, out: pathlib.Path,

@@ -7,7 +7,8 @@ import dataclasses
 from jax_dora.config.block import ConfigBlock, ConfigError, choice, field
 from jax_dora.csv_fields import split_csv
 
-ROPE_SCALINGS = ("", "llama3")
+ROPE_SCALINGS = ("", "llama3", "linear")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 MOE_IMPLS = ("auto", "ragged", "dense")
 # Fields that are a run's choice even for a Hugging Face checkpoint (the
@@ -47,8 +48,9 @@ class ModelBlock(ConfigBlock):
   d_ff: int | None = field(256, "MLP hidden size.")
   max_seq_len: int = field(96, "KV cache and training row length: always a run choice.")
   rope_theta: float | None = field(10000.0, "RoPE base.")
-  rope_scaling: str | None = field("", "\"\" or \"llama3\".")
-  rope_scaling_factor: float | None = field(1.0, "Llama 3 RoPE scaling factor.")
+  rope_scaling: str | None = field(
+      "", "\"\", \"llama3\" or \"linear\" (positions divided by the factor); global layers only.")
+  rope_scaling_factor: float | None = field(1.0, "RoPE scaling factor (llama3, linear).")
   rope_low_freq_factor: float | None = field(1.0, "Llama 3 RoPE low-frequency factor.")
   rope_high_freq_factor: float | None = field(4.0, "Llama 3 RoPE high-frequency factor.")
   rope_original_max_len: int | None = field(8192, "Llama 3 RoPE original context length.")
@@ -82,12 +84,36 @@ class ModelBlock(ConfigBlock):
       " uses it).")
   shared_expert_d_ff: int | None = field(
       0, "Width of Qwen2-MoE's sigmoid-gated shared expert; 0 = none.")
+  mlp_activation: str | None = field(
+      "silu", "Gated MLP activation: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU).")
+  norm_scale_offset: float | None = field(
+      0.0, "RMSNorm multiplies by (offset + scale); Gemma's 1 + w is 1.0 (zero-initialised"
+      " scales, computed in float32).")
+  post_norms: bool | None = field(
+      False, "Gemma 2/3 sandwich norms: an RMSNorm on the attention and feed-forward outputs"
+      " before each residual add.")
+  scale_embeddings: bool | None = field(
+      False, "Multiply embeddings by sqrt(d_model) (Gemma).")
+  query_pre_attn_scalar: float | None = field(
+      0.0, "Attention scores are scaled by this ** -0.5 (Gemma); 0 = head_dim.")
+  attn_logit_softcap: float | None = field(
+      0.0, "Attention scores pass through cap * tanh(s / cap) (Gemma 2); 0 = off.")
+  final_logit_softcap: float | None = field(
+      0.0, "Output logits pass through cap * tanh(logits / cap) (Gemma 2); 0 = off.")
+  sliding_window: int | None = field(
+      0, "Local layers attend to at most this many positions (their own included); 0 = none.")
+  local_layers: str | None = field(
+      "", "Comma-separated indices of the sliding-window (local) layers; the rest are global.")
+  rope_local_theta: float | None = field(
+      0.0, "RoPE base of local layers (Gemma 3's rope_local_base_freq); 0 = rope_theta.")
 
   def __post_init__(self):
     if self.rope_scaling is not None:
       choice(self.BLOCK, "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
     choice(self.BLOCK, "attention_impl", self.attention_impl, ATTENTION_IMPLS)
     choice(self.BLOCK, "moe_impl", self.moe_impl, MOE_IMPLS)
+    if self.mlp_activation is not None:
+      choice(self.BLOCK, "mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
     if self.max_seq_len < 2:
       self.fail("max_seq_len", "must be >= 2")
     for name in ("param_dtype", "dtype"):
@@ -97,8 +123,9 @@ class ModelBlock(ConfigBlock):
   def architecture(self) -> dict[str, object]:
     """The architecture fields that are set (not None), for ``ModelConfig``."""
     out = {k: v for k, v in self.to_dict().items() if k != "hf_path" and v is not None}
-    if "mlp_only_layers" in out:  # ModelConfig's form, which a checkpoint's value is compared to
-      out["mlp_only_layers"] = tuple(split_csv(out["mlp_only_layers"], int))
+    for name in ("mlp_only_layers", "local_layers"):  # ModelConfig's form, compared to a checkpoint's
+      if name in out:
+        out[name] = tuple(split_csv(out[name], int))
     return out
 
   def unset_fields(self) -> list[str]:

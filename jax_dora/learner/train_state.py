@@ -280,7 +280,8 @@ class Learner:
           routing=batch.get("routing"))
     logp = chunked_token_logprobs(
         hidden, head_weight(self.model_cfg, params), batch["targets"],
-        temperature=self.temperature, mask=self.suppress_mask, chunk=self.logprob_chunk)
+        temperature=self.temperature, mask=self.suppress_mask, chunk=self.logprob_chunk,
+        softcap=self.model_cfg.final_logit_softcap)
     return logp, (router_stats(inter) if moe else None)
 
   @staticmethod

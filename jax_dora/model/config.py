@@ -17,7 +17,13 @@ import ml_collections
 
 # ROPE_SCALINGS, and ATTENTION_IMPLS: the kernels of the cache-free attention
 # (jax_dora.model.transformer._attend); the config's model block owns both.
-from jax_dora.config.model import ATTENTION_IMPLS, MOE_IMPLS, ROPE_SCALINGS, ModelBlock
+from jax_dora.config.model import (
+    ATTENTION_IMPLS,
+    MLP_ACTIVATIONS,
+    MOE_IMPLS,
+    ROPE_SCALINGS,
+    ModelBlock,
+)
 from jax_dora.csv_fields import split_csv
 
 # The defaults of the run config's model block (the tiny native model): one
@@ -43,8 +49,9 @@ class ModelConfig:
     head_dim: Per-head width; 0 = ``d_model // n_heads``. Qwen3 sets it
       independently of ``d_model``.
     rope_theta: RoPE frequency base.
-    rope_scaling: ``""`` (plain RoPE) or ``"llama3"`` (Llama 3.1+ frequency
-      scaling, parameters below).
+    rope_scaling: ``""`` (plain RoPE), ``"llama3"`` (Llama 3.1+ frequency
+      scaling, parameters below) or ``"linear"`` (frequencies divided by
+      ``rope_scaling_factor``, Gemma 3's global layers).
     rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor,
     rope_original_max_len: Llama-3 RoPE scaling parameters (HF
       ``rope_scaling`` dict).
@@ -74,6 +81,23 @@ class ModelConfig:
       (the learner's default for ``learner.moe_aux_loss_coef``).
     shared_expert_d_ff: Width of Qwen2-MoE's shared expert, a dense SwiGLU
       every token passes through, scaled by a sigmoid gate; 0 = none.
+    mlp_activation: The gated MLP's activation: ``"silu"`` (SwiGLU) or
+      ``"gelu_tanh"`` (GeGLU with the tanh-approximated GELU, Gemma).
+    norm_scale_offset: RMSNorm multiplies by ``offset + scale``; Gemma's
+      ``1 + w`` (scales initialised at 0, the product in float32) is 1.0.
+    post_norms: Gemma 2/3's sandwich norms: the attention and feed-forward
+      outputs are RMS-normed before their residual adds.
+    scale_embeddings: Embeddings times ``sqrt(d_model)`` (rounded to the
+      parameter dtype, as Gemma's checkpoints were trained).
+    query_pre_attn_scalar: Scores are scaled by ``this ** -0.5``; 0 = ``head_dim``.
+    attn_logit_softcap, final_logit_softcap: ``cap * tanh(x / cap)`` on the
+      attention scores / the output logits (Gemma 2); 0 = off.
+    sliding_window: A local layer's query attends to at most this many
+      positions, its own included (keys ``j > i - window``, Hugging Face's
+      rule); 0 = no local layers.
+    local_layers: Indices of the sliding-window layers; the others are global.
+    rope_local_theta: RoPE base of local layers (Gemma 3); 0 = ``rope_theta``.
+      RoPE scaling applies to global layers only.
   """
 
   vocab_size: int
@@ -107,10 +131,21 @@ class ModelConfig:
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = _BLOCK.router_aux_loss_coef
   shared_expert_d_ff: int = _BLOCK.shared_expert_d_ff
+  mlp_activation: str = _BLOCK.mlp_activation
+  norm_scale_offset: float = _BLOCK.norm_scale_offset
+  post_norms: bool = _BLOCK.post_norms
+  scale_embeddings: bool = _BLOCK.scale_embeddings
+  query_pre_attn_scalar: float = _BLOCK.query_pre_attn_scalar
+  attn_logit_softcap: float = _BLOCK.attn_logit_softcap
+  final_logit_softcap: float = _BLOCK.final_logit_softcap
+  sliding_window: int = _BLOCK.sliding_window
+  local_layers: tuple[int, ...] = ()
+  rope_local_theta: float = _BLOCK.rope_local_theta
 
   def __post_init__(self):
     # A tuple of ints from a tuple, a list or the run config's comma-separated string.
-    object.__setattr__(self, "mlp_only_layers", tuple(split_csv(self.mlp_only_layers, int)))
+    for name in ("mlp_only_layers", "local_layers"):
+      object.__setattr__(self, name, tuple(split_csv(getattr(self, name), int)))
     # Resolve the "0 = derived" defaults once, so every reader sees numbers.
     if self.n_kv_heads == 0:
       object.__setattr__(self, "n_kv_heads", self.n_heads)
@@ -141,12 +176,28 @@ class ModelConfig:
         jnp.dtype(getattr(self, name))
       except TypeError:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not a dtype name") from None
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(
+          f"model.mlp_activation={self.mlp_activation!r} is not one of {MLP_ACTIVATIONS}")
+    for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+                 "rope_local_theta"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"model.{name} must be >= 0 (0 = off / derived), got {getattr(self, name)}")
+    if self.sliding_window < 0:
+      raise ValueError(f"model.sliding_window must be >= 0, got {self.sliding_window}")
+    bad = [i for i in self.local_layers if not 0 <= i < self.n_layers]
+    if bad:
+      raise ValueError(f"model.local_layers {bad} outside [0, n_layers={self.n_layers})")
+    if self.local_layers and not self.sliding_window:
+      raise ValueError(f"model.local_layers={self.local_layers} needs model.sliding_window > 0")
     if self.num_experts < 0:
       raise ValueError(f"model.num_experts must be >= 0, got {self.num_experts}")
     if self.num_experts:
       if not 1 <= self.num_experts_per_tok <= self.num_experts:
         raise ValueError(f"model.num_experts_per_tok={self.num_experts_per_tok} must be in"
                          f" [1, num_experts={self.num_experts}]")
+      if self.mlp_activation != "silu":
+        raise ValueError("the mixture-of-experts feed-forward is SwiGLU: mlp_activation must be silu")
       if self.moe_d_ff <= 0 or self.moe_layer_step < 1 or self.shared_expert_d_ff < 0:
         raise ValueError("an MoE model needs moe_d_ff > 0, moe_layer_step >= 1 and"
                          " shared_expert_d_ff >= 0")
@@ -158,6 +209,15 @@ class ModelConfig:
     """Whether block ``layer`` has the mixture-of-experts feed-forward (transformers' rule)."""
     return (self.num_experts > 0 and layer not in self.mlp_only_layers
             and (layer + 1) % self.moe_layer_step == 0)
+
+  def layer_window(self, layer: int) -> int:
+    """Block ``layer``'s sliding window (positions a query may see, its own included); 0 = global."""
+    return self.sliding_window if layer in self.local_layers else 0
+
+  @property
+  def attention_scale(self) -> float:
+    """The factor on ``q . k``: ``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
+    return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
   @property
   def moe_layers(self) -> tuple[int, ...]:

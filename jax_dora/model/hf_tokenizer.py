@@ -8,10 +8,17 @@ downloaded: ``local_files_only`` is always set.
 
 Stop ids come from ``generation_config.json`` (``eos_token_id``, an int or a
 list: Llama 3 Instruct stops on ``<|eot_id|>`` and ``<|eom_id|>`` as well as
-``<|end_of_text|>``), falling back to the tokenizer's EOS. Every special
+``<|end_of_text|>``), falling back to the tokenizer's EOS; with the chat
+template, the turn terminator it writes (Gemma's ``<end_of_turn>``,
+``CHAT_TURN_ENDS``) is a stop id too, even where a checkpoint's generation
+config names only ``<eos>``: a chat model ends its answer there. Every special
 token that is not a stop id, and every embedding row past the tokenizer's
 length (HF checkpoints pad the vocabulary to a multiple of 64 or 128), is
 suppressed at sampling.
+
+BOS: a tokenizer that adds one to every encoding (Gemma's, Llama's) gets it
+first in every prompt exactly once, whether the chat template writes it or
+not; Gemma degrades badly without it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from jax_dora.model.tokenizer import PolicyTokenizer
 _log = logging.getLogger(__name__)
 
 PROMPT_TEMPLATES = ("chat", "raw")
+# Special tokens that close a chat turn: a stop id when the chat template writes them.
+CHAT_TURN_ENDS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>")
 
 
 class TokenizerLoadError(ValueError):
@@ -96,12 +105,21 @@ class HFTokenizer(PolicyTokenizer):
     if not stops:
       raise TokenizerLoadError(
           f"{path}: no EOS id in generation_config.json or the tokenizer: a completion could never stop")
+    if prompt_template == "chat":
+      template = str(self._tok.chat_template)
+      specials = set(self._tok.all_special_tokens)
+      for token in CHAT_TURN_ENDS:
+        if token in template and token in specials:
+          stops.append(int(self._tok.convert_tokens_to_ids(token)))
     self._stops = set(stops)
     self._eos = stops[0]
     pad = self._tok.pad_token_id
     self._pad = int(pad) if pad is not None else self._eos
     bos = self._tok.bos_token_id
     self._bos = int(bos) if bos is not None else -1
+    # Whether the tokenizer itself starts every encoding with BOS (its post-processor).
+    probe = self._tok("a", add_special_tokens=True)["input_ids"]
+    self._bos_first = self._bos >= 0 and bool(probe) and probe[0] == self._bos
 
   # ------------------------------------------------------------- properties
   @property
@@ -171,7 +189,12 @@ class HFTokenizer(PolicyTokenizer):
     """
     rendered = self.render_prompt(text)
     add_special = self.prompt_template == "raw"
-    return np.asarray(self._tok(rendered, add_special_tokens=add_special)["input_ids"], np.int32)
+    ids = list(self._tok(rendered, add_special_tokens=add_special)["input_ids"])
+    if self._bos_first:  # exactly one BOS, first (a template without it, or one that doubles it)
+      while ids and ids[0] == self._bos:
+        ids.pop(0)
+      ids.insert(0, self._bos)
+    return np.asarray(ids, np.int32)
 
   def decode(self, token_ids: Iterable[int] | np.ndarray, **kwargs) -> str:
     """Completion text up to the first stop id, special tokens skipped."""

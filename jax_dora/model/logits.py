@@ -73,6 +73,7 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     mask: np.ndarray | None = None,
     chunk: int = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
   """``log p(targets)`` from hidden states, ``chunk`` positions at a time.
 
@@ -85,6 +86,8 @@ def chunked_token_logprobs(
     chunk: positions per chunk; ``0`` or ``>= T`` computes the whole
       ``[B,T,V]`` at once (the naive path, kept for small vocabularies where
       the loop only costs time).
+    softcap: the model's ``final_logit_softcap`` (Gemma 2): the same
+      ``cap * tanh(logits / cap)`` the sampler's ``head_logits`` applies.
 
   Returns:
     ``[B,T]`` float32, equal to ``token_logprobs(hidden @ head, targets)``.
@@ -95,6 +98,8 @@ def chunked_token_logprobs(
     # Activation-dtype operands, float32 accumulation and result: a float32
     # GEMM here was the learner's largest matmul without tensor cores.
     logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    if softcap:
+      logits = softcap * jnp.tanh(logits / softcap)
     return token_logprobs(logits, tgt, temperature, mask)
 
   if chunk <= 0 or chunk >= t:

@@ -1,6 +1,9 @@
-"""The dense SwiGLU feed-forward (Llama / Qwen MLP), shared by the block and MoE's shared expert."""
+"""The dense gated feed-forward (SwiGLU of Llama / Qwen, GeGLU of Gemma), shared by the block
+and MoE's shared expert."""
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -9,8 +12,10 @@ from jax_dora.model.config import ModelConfig
 
 
 class MLP(nn.Module):
-  """SwiGLU feed-forward: ``wo(silu(wi_0 x) * wi_1 x)``; ``d_ff`` overrides the
-  config's width (Qwen2-MoE's shared expert)."""
+  """Gated feed-forward: ``wo(act(wi_0 x) * wi_1 x)``, ``act`` the config's
+  ``mlp_activation`` (silu, or GELU's tanh approximation for Gemma: the same
+  formula as ``gelu_pytorch_tanh``); ``d_ff`` overrides the config's width
+  (Qwen2-MoE's shared expert)."""
 
   cfg: ModelConfig
   d_ff: int = 0
@@ -31,7 +36,8 @@ class MLP(nn.Module):
       )
 
     width = self.d_ff or cfg.d_ff
-    h = nn.silu(dense(width, ("embed", "mlp"), "wi_0")(x)) * dense(
+    act = nn.silu if cfg.mlp_activation == "silu" else functools.partial(nn.gelu, approximate=True)
+    h = act(dense(width, ("embed", "mlp"), "wi_0")(x)) * dense(
         width, ("embed", "mlp"), "wi_1"
     )(x)
     return dense(cfg.d_model, ("mlp", "embed"), "wo")(h)

@@ -1,4 +1,4 @@
-"""Rotary position embedding, with Llama-3 frequency scaling.
+"""Rotary position embedding, with Llama-3 and linear frequency scaling.
 
 The frequencies are computed once on the host in float32 exactly as Hugging
 Face's ``_compute_default_rope_parameters`` / ``_compute_llama3_parameters``
@@ -18,12 +18,17 @@ from jax_dora.model.config import ModelConfig
 
 
 @functools.lru_cache(maxsize=64)
-def _inv_freq_cached(cfg: ModelConfig) -> np.ndarray:
+def _inv_freq_cached(cfg: ModelConfig, local: bool) -> np.ndarray:
   d = cfg.head_dim
-  inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+  theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
+  inv = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
          ).astype(np.float32)
-  if cfg.rope_scaling == "llama3":
+  # Scaling stretches the long context of global layers; local (sliding-window)
+  # layers never see far positions, so Gemma 3 keeps them unscaled.
+  if not local and cfg.rope_scaling == "llama3":
     inv = _llama3_scale(inv, cfg)
+  elif not local and cfg.rope_scaling == "linear":
+    inv = (inv / np.float32(cfg.rope_scaling_factor)).astype(np.float32)
   inv.setflags(write=False)
   return inv
 
@@ -47,12 +52,14 @@ def _llama3_scale(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
-  """``[head_dim / 2]`` float32 inverse frequencies (read-only, cached per config)."""
-  return _inv_freq_cached(cfg)
+def inv_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+  """``[head_dim / 2]`` float32 inverse frequencies of a global (or ``local``) layer
+  (read-only, cached per config)."""
+  return _inv_freq_cached(cfg, bool(local))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig,
+               local: bool = False) -> jax.Array:
   """Rotary embedding on ``x[B,T,H,D]`` at absolute ``positions[B,T]``.
 
   Half-split layout (GPT-NeoX / Hugging Face ``rotate_half``). Computed in
@@ -60,7 +67,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
   are identical.
   """
   d = x.shape[-1]
-  freq = jnp.asarray(inv_frequencies(cfg))  # [D/2]
+  freq = jnp.asarray(inv_frequencies(cfg, local))  # [D/2]
   angle = positions.astype(jnp.float32)[..., None] * freq  # [B,T,D/2]
   sin = jnp.sin(angle)[:, :, None, :]
   cos = jnp.cos(angle)[:, :, None, :]

@@ -1,12 +1,15 @@
 """Decoder-only transformer (Flax Linen) used by both learner and rollout.
 
-One module covers the tiny native model and the Llama 3 (3.1/3.2), Qwen2.5
-and Qwen3 families; ``ModelConfig`` switches the differences:
+One module covers the tiny native model and the Llama 3 (3.1/3.2), Qwen2.5,
+Qwen3 (MoE) and Gemma 2/3 families; ``ModelConfig`` switches the differences:
 
-  embedding -> ``n_layers`` x [RMSNorm -> causal GQA attention (optional
-  q/k/v bias, optional per-head q/k RMSNorm, RoPE with optional Llama-3
-  scaling) -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm ->
-  LM head (untied, or the transposed embedding).
+  embedding (x sqrt(d_model) for Gemma) -> ``n_layers`` x [RMSNorm -> causal
+  GQA attention (optional q/k/v bias, optional per-head q/k RMSNorm, RoPE
+  with optional Llama-3 / linear scaling, optional score soft-capping, a
+  sliding window on local layers) -> (Gemma: RMSNorm) -> residual, RMSNorm
+  -> gated MLP (SwiGLU / GeGLU) or MoE -> (Gemma: RMSNorm) -> residual] ->
+  RMSNorm -> LM head (untied, or the transposed embedding; optional logit
+  soft-capping).
 
 Parameters are created through ``nn.with_logical_partitioning`` so the learner
 can lay them out with ``nn.logical_to_mesh_sharding`` and
@@ -26,7 +29,8 @@ Parameter shapes (per layer ``layers_i``):
   ``qkv_bias``), ``attn/out/kernel [heads, kv, embed]``,
   ``attn/{query,key}_norm/scale [kv]`` (``qk_norm``),
   ``mlp/{wi_0,wi_1}/kernel [embed, mlp]``, ``mlp/wo/kernel [mlp, embed]``,
-  ``*_norm/scale [norm]``, ``lm_head/kernel [embed, vocab]`` (untied only).
+  ``*_norm/scale [norm]`` (``post_attn_norm``, ``post_mlp_norm`` with
+  ``post_norms``), ``lm_head/kernel [embed, vocab]`` (untied only).
 ``jax_dora.model.families`` maps these to and from Hugging Face names.
 
 Params use ``cfg.param_dtype``; activations and the KV cache ``cfg.dtype``;
@@ -61,7 +65,29 @@ REMAT_POLICIES = {
 }
 
 
-def _rms_norm(cfg: ModelConfig, name: str, axis_name: str = "norm") -> nn.RMSNorm:
+class OffsetRMSNorm(nn.Module):
+  """Gemma's RMSNorm: ``x / rms(x) * (offset + scale)``, all in float32, then cast back.
+
+  Gemma checkpoints store ``w`` with the norm multiplying by ``1 + w`` (zero
+  init); computing the product in float32 and casting once (Hugging Face's
+  ``Gemma2RMSNorm``) matters in bfloat16, where ``1 + w`` would round.
+  """
+
+  cfg: ModelConfig
+  axis_name: str = "norm"
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,)),
+                       (x.shape[-1],), self.cfg.jnp_param_dtype)
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    return (y * (self.cfg.norm_scale_offset + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def _rms_norm(cfg: ModelConfig, name: str, axis_name: str = "norm") -> nn.Module:
+  if cfg.norm_scale_offset:
+    return OffsetRMSNorm(cfg, axis_name, name=name)
   return nn.RMSNorm(
       epsilon=cfg.norm_eps,
       dtype=cfg.jnp_dtype,
@@ -97,22 +123,54 @@ def attention_implementation(cfg: ModelConfig) -> str:
   return "xla"
 
 
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+  """``cap * tanh(x / cap)`` (Gemma 2's attention and logit soft-capping); ``cap=0``: ``x``."""
+  return x if not cap else cap * jnp.tanh(x / cap)
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None,
-            impl: str) -> jax.Array:
+            impl: str, cfg: ModelConfig, window: int = 0) -> jax.Array:
   """Causal softmax attention. ``q[B,T,H,D]``, ``k,v[B,T,Hkv,D]``,
-  ``key_mask[B,T]`` (True = real key) or None.
+  ``key_mask[B,T]`` (True = real key) or None; ``window > 0``: query ``i``
+  sees keys ``j > i - window`` only (a local layer).
 
   ``jax.nn.dot_product_attention`` handles grouped-query heads (query head
-  ``h`` reads kv head ``h // G``, Hugging Face's ``repeat_kv`` order) and
-  computes the softmax in float32 on every implementation. Training and
-  prefill rows are right-padded, so they need no key mask (a real query
-  never sees a later key) and take the fused kernel; an explicit key mask
-  (any shape of padding) takes the XLA path.
+  ``h`` reads kv head ``h // G``, Hugging Face's ``repeat_kv`` order), the
+  window and the scale, and computes the softmax in float32 on every
+  implementation. Training and prefill rows are right-padded, so they need
+  no key mask (a real query never sees a later key) and take the fused
+  kernel; an explicit key mask (any shape of padding) takes the XLA path.
+  Soft-capped scores (Gemma 2) are not a fused kernel's option: they take
+  :func:`_attend_softcapped`.
   """
+  if cfg.attn_logit_softcap:
+    return _attend_softcapped(q, k, v, key_mask, cfg, window)
+  local = (window - 1, 0) if window else None
   if key_mask is None:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return jax.nn.dot_product_attention(q, k, v, scale=cfg.attention_scale, is_causal=True,
+                                        local_window_size=local, implementation=impl)
   return jax.nn.dot_product_attention(q, k, v, mask=key_mask[:, None, None, :], is_causal=True,
+                                      scale=cfg.attention_scale, local_window_size=local,
                                       implementation="xla")
+
+
+def _attend_softcapped(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None,
+                       cfg: ModelConfig, window: int) -> jax.Array:
+  """:func:`_attend` with ``soft_cap`` on the scaled scores (before the mask), in XLA einsums."""
+  b, t, h, d = q.shape
+  f32 = jnp.float32
+  qg = _group(q, k.shape[2])  # [B,T,Hkv,G,D]
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=f32) * cfg.attention_scale
+  s = soft_cap(s, cfg.attn_logit_softcap)
+  i = jnp.arange(t)[:, None]
+  j = jnp.arange(k.shape[1])[None, :]
+  allowed = (j <= i) & ((i - j < window) if window else True)  # [T,S]
+  allowed = allowed[None, None, None]
+  if key_mask is not None:
+    allowed = allowed & key_mask[:, None, None, None, :]
+  p = jax.nn.softmax(jnp.where(allowed, s, _MASK_VALUE), axis=-1)
+  ctx = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=f32)
+  return ctx.reshape(b, t, h, d).astype(q.dtype)
 
 
 def decode_chunk(chunk: int) -> int:
@@ -132,6 +190,7 @@ def decode_chunk(chunk: int) -> int:
 def _attend_cache_and_self(
     q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array,
     positions: jax.Array, rows: jax.Array | None, bound: int, chunk: int, layer: int,
+    scale: float, softcap: float = 0.0, window: int = 0,
 ) -> jax.Array:
   """One decode token attending to its row's cache entries ``j < position``
   and to its own (not yet written) key/value, reading only entries
@@ -163,25 +222,45 @@ def _attend_cache_and_self(
   ``None`` means row ``b`` is query ``b``. A row whose position exceeds
   ``bound`` would silently lose entries: the engine checks the host's bound
   on device and reports a violation with the step's result.
+
+  ``scale`` multiplies the scores (then ``soft_cap(., softcap)``). A local
+  layer (``window > 0``) sees only entries ``j > position - window``: when
+  the window is shorter than ``bound`` the chunks start at each row's
+  ``position - window + 1`` (gathered per row) and only ``ceil((window - 1)
+  / chunk)`` of them are read, so a local layer's decode costs its window,
+  not the context (the cache still holds every position: DESIGN.md,
+  Sliding-window attention).
   """
   b, t, h, d = q.shape
   _, bc, n_kv, s, hd = ck.shape
   bound = max(1, min(int(bound), s))
   chunk = max(1, min(int(chunk), bound))
-  scale = d ** -0.5
   cdt = ck.dtype
   f32 = jnp.float32
   qg = _group(q, n_kv)[:, 0].astype(cdt)  # [B,Hkv,G,D]
   kn = k[:, 0].astype(cdt)  # [B,Hkv,D], rounded as the cache stores it
   vn = v[:, 0].astype(cdt)
   pos = positions[:, 0]  # [B]: the row's entries j < pos are in the cache
-  m = jnp.einsum("bkgd,bkd->bkg", qg, kn, preferred_element_type=f32) * scale
+  m = soft_cap(jnp.einsum("bkgd,bkd->bkg", qg, kn, preferred_element_type=f32) * scale, softcap)
   norm = jnp.ones_like(m)
   acc = jnp.broadcast_to(vn.astype(f32)[:, :, None, :], qg.shape)
+  span = window - 1 if window else 0  # cache entries a local layer's token reads
+  windowed = 0 < window and span < bound
+  if windowed:
+    chunk = max(1, min(chunk, span))
   offsets = jnp.arange(chunk, dtype=jnp.int32)
+  lo = jnp.maximum(pos - span, 0)  # [B]: a local row's first visible entry
 
   def visit(i, carry):
     m, norm, acc = carry
+    if windowed:  # per-row chunks over [pos - window + 1, pos), clamped to the cache
+      idx_b = lo[:, None] + i * chunk + offsets[None, :]  # [B,chunk]
+      at_rows = jnp.arange(b) if rows is None else rows
+      take = jnp.minimum(idx_b, s - 1)
+      kb = ck[layer, at_rows[:, None], :, take].swapaxes(1, 2)  # [B,Hkv,chunk,D]
+      vb = cv[layer, at_rows[:, None], :, take].swapaxes(1, 2)
+      valid = idx_b < pos[:, None]
+      return update(m, norm, acc, kb, vb, valid)
     start = jnp.minimum(i * chunk, bound - chunk)
     if rows is None:
       at, size = (layer, 0, 0, start, 0), (1, bc, n_kv, chunk, hd)
@@ -191,9 +270,16 @@ def _attend_cache_and_self(
       idx = (start + offsets)[None, :]
       kb = ck[layer, rows[:, None], :, idx].swapaxes(1, 2)  # [B,chunk,Hkv,D] -> [B,Hkv,chunk,D]
       vb = cv[layer, rows[:, None], :, idx].swapaxes(1, 2)
-    scores = jnp.einsum("bkgd,bksd->bkgs", qg, kb, preferred_element_type=f32) * scale
     idx = start + offsets
     valid = (idx[None, :] < pos[:, None]) & (idx[None, :] >= i * chunk)  # [B,chunk]
+    if window:
+      valid = valid & (idx[None, :] > pos[:, None] - window)
+    return update(m, norm, acc, kb, vb, valid)
+
+  def update(m, norm, acc, kb, vb, valid):
+    """One chunk of keys/values ``[B,Hkv,chunk,D]`` folded into the online softmax."""
+    scores = soft_cap(
+        jnp.einsum("bkgd,bksd->bkgs", qg, kb, preferred_element_type=f32) * scale, softcap)
     scores = jnp.where(valid[:, None, None, :], scores, _MASK_VALUE)
     m_new = jnp.maximum(m, scores.max(-1))
     alpha = jnp.exp(m - m_new)
@@ -203,9 +289,11 @@ def _attend_cache_and_self(
         "bkgs,bksd->bkgd", p.astype(cdt), vb, preferred_element_type=f32)
     return m_new, norm, acc
 
-  n_chunks = -(-bound // chunk)
+  n_chunks = -(-span // chunk) if windowed else -(-bound // chunk)
   carry = (m, norm, acc)
-  if n_chunks == 1:
+  if n_chunks == 0:  # window 1: a token sees only itself
+    pass
+  elif n_chunks == 1:
     carry = visit(0, carry)
   else:  # static trip count: a scan, never a device-side predicate
     carry = jax.lax.fori_loop(0, n_chunks, visit, carry)
@@ -217,6 +305,7 @@ def _attend_cache_and_self(
 def _attend_cache_then_chunk(
     q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array, cv: jax.Array,
     positions: jax.Array, rows: jax.Array, bound: int, layer: int,
+    scale: float, softcap: float = 0.0, window: int = 0,
 ) -> jax.Array:
   """A chunk of ``T`` new tokens per row continuing a context already in the cache.
 
@@ -234,23 +323,30 @@ def _attend_cache_then_chunk(
   static Python int ``>= max(start_b)`` (entries ``[0, bound)`` are read,
   gathered whole: a turn boundary is rare next to decode steps). Products
   take the cache's dtype with float32 accumulation; the softmax is float32.
+  ``scale``, ``softcap`` and a local layer's ``window`` as in
+  :func:`_attend_cache_and_self`.
   """
   b, t, h, d = q.shape
   n_kv, s = ck.shape[2], ck.shape[3]
   bound = max(1, min(int(bound), s))
   cdt = ck.dtype
   f32 = jnp.float32
-  scale = d ** -0.5
   qg = _group(q, n_kv).astype(cdt)  # [B,T,Hkv,G,D]
   kc = ck[layer, rows, :, :bound]  # [B,Hkv,bound,D]
   vc = cv[layer, rows, :, :bound]
   kn, vn = k.astype(cdt), v.astype(cdt)  # [B,T,Hkv,D]
   start = positions[:, 0]  # [B]
-  s_cache = jnp.einsum("btkgd,bksd->bkgts", qg, kc, preferred_element_type=f32) * scale
-  cached = jnp.arange(bound, dtype=jnp.int32)[None, :] < start[:, None]  # [B,bound]
-  s_cache = jnp.where(cached[:, None, None, None, :], s_cache, _MASK_VALUE)
-  s_self = jnp.einsum("btkgd,bukd->bkgtu", qg, kn, preferred_element_type=f32) * scale
-  causal = jnp.tril(jnp.ones((t, t), bool))
+  s_cache = soft_cap(
+      jnp.einsum("btkgd,bksd->bkgts", qg, kc, preferred_element_type=f32) * scale, softcap)
+  j = jnp.arange(bound, dtype=jnp.int32)
+  cached = (j[None, None, :] < start[:, None, None])  # [B,1,bound]
+  if window:  # token t (at positions[b, t]) sees entries j > position - window
+    cached = cached & (j[None, None, :] > positions[:, :, None] - window)  # [B,T,bound]
+  s_cache = jnp.where(cached[:, None, None], s_cache, _MASK_VALUE)
+  s_self = soft_cap(
+      jnp.einsum("btkgd,bukd->bkgtu", qg, kn, preferred_element_type=f32) * scale, softcap)
+  ti, ui = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+  causal = (ui <= ti) & ((ti - ui < window) if window else True)
   s_self = jnp.where(causal[None, None, None], s_self, _MASK_VALUE)
   p = jax.nn.softmax(jnp.concatenate([s_cache, s_self], axis=-1), axis=-1)
   ctx = (jnp.einsum("bkgts,bksd->btkgd", p[..., :bound].astype(cdt), vc,
@@ -284,6 +380,7 @@ class Attention(nn.Module):
   decode_attention: str = "blocked"
   attention_block: int = 0
   kv_bound: int | None = None  # decode: static bound of the entries read (see Transformer.decode)
+  window: int = 0  # a local (sliding-window) layer's window; 0 = global
 
   @nn.compact
   def __call__(
@@ -316,8 +413,9 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q = _rms_norm(cfg, "query_norm", "kv")(q)
       k = _rms_norm(cfg, "key_norm", "kv")(k)
-    q = apply_rope(q, positions, cfg)
-    k = apply_rope(k, positions, cfg)
+    q = apply_rope(q, positions, cfg, local=bool(self.window))
+    k = apply_rope(k, positions, cfg, local=bool(self.window))
+    scores = dict(scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap, window=self.window)
 
     if self.mode == "decode":
       ck, cv = cache  # the whole head-major [L, B, Hkv, S, D] cache, read in place
@@ -326,15 +424,15 @@ class Attention(nn.Module):
       s = ck.shape[3]
       bound, chunk = (s, s) if self.decode_attention == "dense" else (
           self.kv_bound or s, decode_chunk(self.attention_block))
-      ctx = _attend_cache_and_self(q, k, v, ck, cv, positions, rows, bound, chunk, layer)
+      ctx = _attend_cache_and_self(q, k, v, ck, cv, positions, rows, bound, chunk, layer, **scores)
       kv = (k.astype(ck.dtype), v.astype(cv.dtype))
     elif self.mode == "extend":
       ck, cv = cache
       ctx = _attend_cache_then_chunk(q, k, v, ck, cv, positions, rows,
-                                     self.kv_bound or ck.shape[3], layer)
+                                     self.kv_bound or ck.shape[3], layer, **scores)
       kv = (k.astype(ck.dtype), v.astype(cv.dtype))
     else:
-      ctx = _attend(q, k, v, mask, attention_implementation(cfg))
+      ctx = _attend(q, k, v, mask, attention_implementation(cfg), cfg, self.window)
       kv = (k, v) if self.mode == "prefill" else None
 
     out = nn.DenseGeneral(
@@ -361,6 +459,7 @@ class Block(nn.Module):
   kv_bound: int | None = None
   moe: bool = False
   replay_routing: bool = False  # route by ``recorded`` (else only compare with it)
+  window: int = 0  # a local layer's sliding window (``ModelConfig.layer_window``)
 
   @nn.compact
   def __call__(self, x, positions, mask=None, cache=None, rows=None, valid=None, layer=0,
@@ -368,19 +467,24 @@ class Block(nn.Module):
     """``recorded [B, T, k]``: this MoE layer's routes from the rollout (an input, so
     a rematerialised block replays the same experts in its backward pass)."""
     h, kv = Attention(self.cfg, self.mode, self.decode_attention, self.attention_block,
-                      self.kv_bound, name="attn")(
+                      self.kv_bound, self.window, name="attn")(
                           _rms_norm(self.cfg, "attn_norm")(x), positions, mask, cache, rows, layer)
+    if self.cfg.post_norms:
+      h = _rms_norm(self.cfg, "post_attn_norm")(h)
     x = x + h
     normed = _rms_norm(self.cfg, "mlp_norm")(x)
     if self.moe:
-      x = x + MoE(self.cfg, name="mlp")(normed, valid, recorded, self.replay_routing)
+      h = MoE(self.cfg, name="mlp")(normed, valid, recorded, self.replay_routing)
     else:
-      x = x + MLP(self.cfg, name="mlp")(normed)
-    return x, kv
+      h = MLP(self.cfg, name="mlp")(normed)
+    if self.cfg.post_norms:
+      h = _rms_norm(self.cfg, "post_mlp_norm")(h)
+    return x + h, kv
 
 
-def head_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
-  """float32 logits ``hidden[..., D] @ head[D, V]``, computed in ``hidden``'s dtype.
+def head_logits(hidden: jax.Array, head: jax.Array, softcap: float = 0.0) -> jax.Array:
+  """float32 logits ``hidden[..., D] @ head[D, V]``, computed in ``hidden``'s dtype,
+  then ``soft_cap(., softcap)`` (the config's ``final_logit_softcap``: Gemma 2).
 
   The head is the largest matmul of a decode step and of the learner's
   log-prob pass (V = 151,936). Casting both operands to float32 made it a
@@ -391,8 +495,8 @@ def head_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
   tests) nothing changes. Sampler and learner both call this, so they stay
   one distribution.
   """
-  return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype),
-                    preferred_element_type=jnp.float32)
+  return soft_cap(jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype),
+                            preferred_element_type=jnp.float32), softcap)
 
 
 def head_weight(cfg: ModelConfig, params) -> jax.Array:
@@ -602,6 +706,8 @@ class Transformer(nn.Module):
         name="embed",
     )
     x = embed(tokens)
+    if cfg.scale_embeddings:  # sqrt(d_model) rounded to the parameter dtype, as Gemma's reference
+      x = x * jnp.asarray(cfg.d_model ** 0.5, cfg.jnp_param_dtype).astype(x.dtype)
 
     block_cls = Block
     if self.remat != "none":
@@ -618,6 +724,10 @@ class Transformer(nn.Module):
       if len(kinds) > 1:
         raise ValueError("scan_layers needs every layer alike: this MoE model mixes dense"
                          f" (mlp_only_layers / moe_layer_step) and MoE layers {cfg.moe_layers}")
+      windows = {cfg.layer_window(i) for i in range(cfg.n_layers)}
+      if len(windows) > 1:
+        raise ValueError("scan_layers needs every layer alike: this model mixes sliding-window"
+                         f" layers {cfg.local_layers} and global layers")
       scanned = nn.scan(
           block_cls, variable_axes={"params": 0, "intermediates": 0, ROUTING: 0},
           split_rngs={"params": True},
@@ -625,7 +735,7 @@ class Transformer(nn.Module):
                    nn.broadcast if routing is None else 0),
           length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
       x, kv = scanned(*block_args, moe=kinds.pop(), replay_routing=self.replay_routing,
-                      name="layers")(
+                      window=windows.pop(), name="layers")(
           x, positions, mask, layer_cache, rows, valid,
           jnp.arange(cfg.n_layers, dtype=jnp.int32),
           None if routing is None else jnp.moveaxis(routing, 2, 0))
@@ -635,7 +745,7 @@ class Transformer(nn.Module):
       for i in range(cfg.n_layers):
         recorded = None if routing is None or i not in moe_index else routing[:, :, moe_index[i]]
         x, kv = block_cls(*block_args, moe=cfg.is_moe_layer(i), replay_routing=self.replay_routing,
-                          name=f"layers_{i}")(
+                          window=cfg.layer_window(i), name=f"layers_{i}")(
             x, positions, mask, layer_cache, rows, valid, i, recorded)
         per_layer.append(kv)
       kv = None if per_layer[0] is None else tuple(jnp.stack(t) for t in zip(*per_layer))
@@ -644,7 +754,7 @@ class Transformer(nn.Module):
     if return_hidden:
       out = x
     elif cfg.tie_embeddings:
-      out = head_logits(x, embed.embedding.T)
+      out = head_logits(x, embed.embedding.T, cfg.final_logit_softcap)
     else:
       out = nn.Dense(
           cfg.vocab_size,
@@ -658,6 +768,7 @@ class Transformer(nn.Module):
           dot_general=functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
           name="lm_head",
       )(x)
+      out = soft_cap(out, cfg.final_logit_softcap)
 
     if mode == "train":
       return out, None

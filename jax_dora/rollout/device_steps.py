@@ -97,7 +97,8 @@ class DeviceSteps:
       routes = routing.collect(recorded, self.model_cfg)  # [U, T, moe_layers, k]
     # Only each context's last real position is sampled from: [U, V], not [U, T, V].
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = head_logits(last, head_weight(self.model_cfg, params))
+    logits = head_logits(last, head_weight(self.model_cfg, params),
+                         self.model_cfg.final_logit_softcap)
     keys = jax.vmap(lambda c: jax.random.fold_in(base_key, c))(counts)
     tok, logp = jax.vmap(lambda lg, key: self._sample(lg[None], key))(logits[src], keys)
     tok, logp = tok[:, 0], logp[:, 0]
@@ -200,7 +201,8 @@ class DeviceSteps:
           mutable=[ROUTING])
       routes = routing.collect(recorded, self.model_cfg)  # [U, T, moe_layers, k]
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = head_logits(last, head_weight(self.model_cfg, params))
+    logits = head_logits(last, head_weight(self.model_cfg, params),
+                         self.model_cfg.final_logit_softcap)
     keys = jax.vmap(lambda c: jax.random.fold_in(base_key, c))(counts)
     tok, logp = jax.vmap(lambda lg, key: self._sample(lg[None], key))(logits, keys)
     tok, logp = tok[:, 0], logp[:, 0]

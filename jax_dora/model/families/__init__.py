@@ -1,15 +1,15 @@
 """Model families importable from / exportable to Hugging Face checkpoints.
 
 Adding a family: a module defining a ``base.Family`` and one line below.
-Gemma 2/3 are not here: they need GeGLU with a tanh-GELU, ``1 + w`` RMSNorm
-scales, pre- *and* post-norms, embedding scaling, logit soft-capping and
-sliding-window layers, i.e. a different block rather than a new mapping.
+Gemma 2/3 switch on the block's Gemma pieces through ``ModelConfig`` (GeGLU,
+``1 + w`` norms, sandwich norms, scaled embeddings, soft-capping,
+sliding-window layers) and share the Llama tensor naming plus two norms.
 """
 
 from __future__ import annotations
 
 from jax_dora.model.config import ModelConfig
-from jax_dora.model.families import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
+from jax_dora.model.families import gemma2, gemma3, llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 from jax_dora.model.families.base import (
     Family,
     TensorLayout,
@@ -31,6 +31,8 @@ register(qwen2.FAMILY)
 register(qwen3.FAMILY)
 register(qwen3_moe.FAMILY)
 register(qwen2_moe.FAMILY)
+register(gemma2.FAMILY)
+register(gemma3.FAMILY)
 
 
 def get_family(model_type: str) -> Family:
@@ -44,6 +46,8 @@ def get_family(model_type: str) -> Family:
 
 def family_for(cfg: ModelConfig) -> Family:
   """The family whose checkpoint layout ``cfg`` (e.g. the native model) exports to."""
+  if cfg.post_norms:
+    return FAMILIES.get("gemma3_text" if cfg.qk_norm else "gemma2")
   if cfg.num_experts:
     return FAMILIES.get("qwen3_moe" if cfg.qk_norm else "qwen2_moe")
   if cfg.qk_norm:

@@ -192,22 +192,29 @@ def stacked_shapes(maps: Sequence[TensorMap]) -> dict[ParamPath, tuple[int, ...]
 
 
 def llama_style_tensors(cfg: ModelConfig) -> list[TensorMap]:
-  """The tensors of a Llama / Qwen2 / Qwen3 (and Qwen3-MoE) checkpoint for ``cfg``."""
+  """The tensors of a Llama / Qwen2 / Qwen3 (-MoE) / Gemma 2 / Gemma 3 checkpoint for ``cfg``."""
   d, h, kvh, k, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                         cfg.vocab_size)
   out = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), TensorLayout((v, d), (1, 1)))]
   for i in range(cfg.n_layers):
     pre, us = f"model.layers.{i}.", f"layers_{i}"
     attn = pre + "self_attn."
+    norm = TensorLayout((d,), (1,))
     out += [
-        TensorMap(pre + "input_layernorm.weight", (us, "attn_norm", "scale"), TensorLayout((d,), (1,))),
+        TensorMap(pre + "input_layernorm.weight", (us, "attn_norm", "scale"), norm),
         TensorMap(attn + "q_proj.weight", (us, "attn", "query", "kernel"), _linear((d, h, k), (1, 2))),
         TensorMap(attn + "k_proj.weight", (us, "attn", "key", "kernel"), _linear((d, kvh, k), (1, 2))),
         TensorMap(attn + "v_proj.weight", (us, "attn", "value", "kernel"), _linear((d, kvh, k), (1, 2))),
         TensorMap(attn + "o_proj.weight", (us, "attn", "out", "kernel"), _linear((h, k, d), (2, 1))),
-        TensorMap(pre + "post_attention_layernorm.weight", (us, "mlp_norm", "scale"),
-                  TensorLayout((d,), (1,))),
     ]
+    if cfg.post_norms:  # Gemma 2/3: four norms a block, named for where they sit
+      out += [
+          TensorMap(pre + "post_attention_layernorm.weight", (us, "post_attn_norm", "scale"), norm),
+          TensorMap(pre + "pre_feedforward_layernorm.weight", (us, "mlp_norm", "scale"), norm),
+          TensorMap(pre + "post_feedforward_layernorm.weight", (us, "post_mlp_norm", "scale"), norm),
+      ]
+    else:  # Llama / Qwen: the "post-attention" norm is the feed-forward's input norm
+      out.append(TensorMap(pre + "post_attention_layernorm.weight", (us, "mlp_norm", "scale"), norm))
     if cfg.is_moe_layer(i):
       out += moe_tensors(cfg, i)
     else:
@@ -247,16 +254,26 @@ def llama_style_ignored(cfg: ModelConfig, name: str) -> bool:
 def rope_fields(hf: Any) -> dict[str, Any]:
   """RoPE settings from an HF config (transformers 5 ``rope_parameters`` or 4.x fields)."""
   params = dict(getattr(hf, "rope_parameters", None) or {})
-  legacy = getattr(hf, "rope_scaling", None) or {}
+  legacy = dict(getattr(hf, "rope_scaling", None) or {})
   theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
-  scaling = params if params.get("rope_type", "default") != "default" else dict(legacy)
+  return rope_from_parameters(params, legacy, theta)
+
+
+def rope_from_parameters(params: dict[str, Any], legacy: dict[str, Any] | None = None,
+                         theta: float | None = None) -> dict[str, Any]:
+  """``ModelConfig`` RoPE fields of one ``rope_parameters`` dict (Gemma 3 has one per layer type)."""
+  theta = params.get("rope_theta", theta)
+  scaling = params if params.get("rope_type", "default") != "default" else dict(legacy or {})
   rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
   out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
   if rope_type == "default":
     return out
+  if rope_type == "linear":
+    out.update(rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
+    return out
   if rope_type != "llama3":
     raise UnsupportedCheckpointError(
-        f"RoPE type {rope_type!r} is not supported (supported: default, llama3)")
+        f"RoPE type {rope_type!r} is not supported (supported: default, llama3, linear)")
   out.update(
       rope_scaling="llama3",
       rope_scaling_factor=float(scaling["factor"]),
@@ -267,10 +284,23 @@ def rope_fields(hf: Any) -> dict[str, Any]:
   return out
 
 
+def rope_to_parameters(cfg: ModelConfig) -> dict[str, Any]:
+  """The inverse of :func:`rope_from_parameters` (a global layer's ``rope_parameters``)."""
+  out: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  if cfg.rope_scaling == "linear":
+    out.update(rope_type="linear", factor=cfg.rope_scaling_factor)
+  elif cfg.rope_scaling == "llama3":
+    out.update(rope_type="llama3", factor=cfg.rope_scaling_factor,
+               low_freq_factor=cfg.rope_low_freq_factor,
+               high_freq_factor=cfg.rope_high_freq_factor,
+               original_max_position_embeddings=cfg.rope_original_max_len)
+  return out
+
+
 def common_from_hf(hf: Any) -> dict[str, Any]:
   """Fields every Llama-style config shares; rejects what the decoder does not implement."""
   act = getattr(hf, "hidden_act", "silu")
-  if act != "silu":
+  if act != "silu" or getattr(hf, "hidden_activation", None) not in (None, "silu"):
     raise UnsupportedCheckpointError(f"hidden_act={act!r}: only SwiGLU with silu is implemented")
   if getattr(hf, "mlp_bias", False):
     raise UnsupportedCheckpointError("mlp_bias=True is not implemented")
@@ -336,9 +366,92 @@ def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   # ``rope_parameters``), 4.x understands nothing else.
   out["rope_theta"] = cfg.rope_theta
   out["rope_scaling"] = None
-  if cfg.rope_scaling == "llama3":
-    out["rope_scaling"] = dict(
-        rope_type="llama3", factor=cfg.rope_scaling_factor,
-        low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
-        original_max_position_embeddings=cfg.rope_original_max_len)
+  if cfg.rope_scaling:
+    out["rope_scaling"] = {k: v for k, v in rope_to_parameters(cfg).items() if k != "rope_theta"}
   return out
+
+
+# ---------------------------------------------------------------- Gemma 2 / 3
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GeGLU with GELU's tanh approximation
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def gemma_from_hf(hf: Any) -> dict[str, Any]:
+  """The fields Gemma 2 and Gemma 3 text configs share; rejects what we do not implement.
+
+  Sandwich norms with ``1 + w`` scales, embeddings times ``sqrt(hidden)``,
+  ``query_pre_attn_scalar`` and the layer types (``sliding_attention`` ->
+  ``local_layers``) are read here; RoPE and soft-capping differ by family.
+  """
+  act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+  if act not in GEMMA_ACTIVATIONS:
+    raise UnsupportedCheckpointError(
+        f"hidden_activation={act!r}: Gemma's GeGLU is implemented with {GEMMA_ACTIVATIONS}")
+  if getattr(hf, "use_bidirectional_attention", False):
+    raise UnsupportedCheckpointError("use_bidirectional_attention=True (an encoder) is not a causal LM")
+  layers = int(hf.num_hidden_layers)
+  types = list(getattr(hf, "layer_types", None) or ["full_attention"] * layers)
+  unknown = sorted(set(types) - set(LAYER_TYPES))
+  if unknown or len(types) != layers:
+    raise UnsupportedCheckpointError(
+        f"layer_types={types}: expected {layers} entries of {LAYER_TYPES}")
+  local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+  window = int(getattr(hf, "sliding_window", None) or 0)
+  if local and window < 1:
+    raise UnsupportedCheckpointError(f"sliding-window layers {local} without a sliding_window")
+  heads = int(hf.num_attention_heads)
+  bias = bool(getattr(hf, "attention_bias", False))
+  return dict(
+      vocab_size=int(hf.vocab_size),
+      d_model=int(hf.hidden_size),
+      n_layers=layers,
+      n_heads=heads,
+      n_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+      head_dim=int(getattr(hf, "head_dim", None) or int(hf.hidden_size) // heads),
+      d_ff=int(hf.intermediate_size),
+      norm_eps=float(hf.rms_norm_eps),
+      tie_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+      qkv_bias=bias,
+      out_bias=bias,
+      mlp_activation="gelu_tanh",
+      norm_scale_offset=1.0,
+      post_norms=True,
+      scale_embeddings=True,
+      query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+      final_logit_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+      local_layers=local,
+      sliding_window=window if local else 0,
+  )
+
+
+def _int_if_whole(x: float) -> int | float:
+  return int(x) if float(x).is_integer() else float(x)
+
+
+def gemma_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The inverse of :func:`gemma_from_hf` (RoPE and the families' extras aside)."""
+  if not (cfg.post_norms and cfg.norm_scale_offset == 1.0 and cfg.scale_embeddings
+          and cfg.mlp_activation == "gelu_tanh") or cfg.qkv_bias != cfg.out_bias or cfg.num_experts:
+    raise UnsupportedCheckpointError(
+        "a Gemma checkpoint has sandwich norms with 1 + w scales, scaled embeddings, GeGLU,"
+        " q/k/v/o biases together or not at all, and no experts")
+  return dict(
+      vocab_size=cfg.vocab_size,
+      hidden_size=cfg.d_model,
+      num_hidden_layers=cfg.n_layers,
+      num_attention_heads=cfg.n_heads,
+      num_key_value_heads=cfg.n_kv_heads,
+      head_dim=cfg.head_dim,
+      intermediate_size=cfg.d_ff,
+      rms_norm_eps=cfg.norm_eps,
+      tie_word_embeddings=cfg.tie_embeddings,
+      attention_bias=cfg.qkv_bias,
+      hidden_activation=GEMMA_ACTIVATIONS[0],
+      # transformers' strict config wants an int (every released Gemma's is)
+      query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
+      final_logit_softcapping=cfg.final_logit_softcap or None,
+      sliding_window=cfg.sliding_window or None,
+      layer_types=[LAYER_TYPES[1] if cfg.layer_window(i) else LAYER_TYPES[0]
+                   for i in range(cfg.n_layers)],
+      max_position_embeddings=cfg.max_seq_len,
+  )
