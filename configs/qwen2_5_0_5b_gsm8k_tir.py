@@ -17,20 +17,11 @@ completion budget is larger than the plain config's and the pool target
 higher. Not run on an accelerator in CI; tests run it on a tiny Qwen2.
 """
 
-import importlib.util
-import pathlib
-
-
-def _plain():
-  path = pathlib.Path(__file__).with_name("qwen2_5_0_5b_gsm8k.py")
-  spec = importlib.util.spec_from_file_location("qwen2_5_0_5b_gsm8k", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+from jax_dora.config import recipe_beside
 
 
 def get_config():
-  c = _plain()
+  c = recipe_beside(__file__, "qwen2_5_0_5b_gsm8k")
   c.output_dir = "runs/qwen2_5_0_5b_gsm8k_tir"
   c.data.prompt_suffix = (
       "\nSolve it step by step. You may run Python: write a ```python code block that prints"

@@ -209,6 +209,20 @@ def test_moe_grouped_matmul_benchmark_runs(tmp_path):
   assert out["ragged_s"] > 0 and out["floor_s"] > 0 and (tmp_path / "moe.json").exists()
 
 
+def test_sliding_window_benchmark_small(tmp_path):
+  """Smoke run at a tiny shape; the byte counts are checked by hand: 2 slots x (K + V) x 1 KV
+  head x 16 dims x 4 B = 256 B an entry; 6 layers x 512 positions allocated; 1 global layer x
+  512 + 5 local x 64 read (no timing is asserted)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import sliding_window  # pylint: disable=g-import-not-at-top
+
+  out = sliding_window.main(["--small", f"--json={tmp_path / 'sw.json'}"])
+  row = out["contexts"][512]
+  assert row["local_bytes"]["allocated"] == row["global_bytes"]["allocated"] == 256 * 6 * 512
+  assert row["local_bytes"]["read_per_step"] == 256 * (512 + 5 * 64)
+  assert row["global_step_s"] > 0 and row["floor_step_s"] > 0 and (tmp_path / "sw.json").exists()
+
+
 def test_pace_records_by_hand(tmp_path):
   """Rejections, lengths and staleness of a hand-written trained-sample log."""
   sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -41,7 +41,7 @@ __all__ = [
     "AuditConfig", "CheckpointConfig", "ConfigBlock", "ConfigError", "DataConfig", "DistributedConfig",
     "EvalConfig", "LENGTH_MODES", "LearnerConfig", "MODES", "MetricsConfig", "ModelBlock",
     "OrchestratorConfig", "PaceConfig", "RewardConfig", "RolloutConfig", "RunConfig",
-    "SftConfig", "SnapshotsConfig", "ToolsConfig", "base_config", "hf_model_config", "validate",
+    "SftConfig", "SnapshotsConfig", "ToolsConfig", "base_config", "hf_model_config", "recipe_beside", "validate",
 ]
 
 
@@ -68,6 +68,23 @@ def hf_model_config(hf_path: str = "", **run_fields) -> ml_collections.ConfigDic
   block.hf_path = hf_path
   block.update(run_fields)
   return block
+
+
+def recipe_beside(config_file: str, name: str) -> ml_collections.ConfigDict:
+  """``get_config()`` of the recipe ``name``.py in ``config_file``'s directory.
+
+  For a recipe that is another one with a few changes (the TIR and Gemma GSM8K
+  recipes start from the Qwen GSM8K one): config files are loaded by path
+  (``--config=configs/x.py``), so their directory is not importable.
+  """
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+
+  path = pathlib.Path(config_file).with_name(f"{name}.py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def validate(c: ml_collections.ConfigDict | RunConfig) -> RunConfig:
