@@ -4,6 +4,7 @@ Usage::
 
   python benchmarks/learner_memory.py                 # V=151,936, T=2,048, 2 rows
   python benchmarks/learner_memory.py --seq_len=512 --rows=4
+  python benchmarks/learner_memory.py --gemma --vocab=262144 --seq_len=1024 --experts=0
 
 Compiles the real jitted train step (``Learner.compile_step``) of a small
 GQA model with a Qwen-sized vocabulary under each memory setting, side by
@@ -23,6 +24,13 @@ step with a 256-token vocabulary, ``k`` from the naive step; the chunked
 step is then predicted at ``A + k·4·B·chunk·V``, i.e. smaller by
 ``(A + k·4BTV) / (A + k·4B·chunk·V)``, which tends to ``T / chunk`` as the
 head dominates. Micro-batches of ``m`` rows shrink ``A`` by about ``B / m``.
+
+``--gemma`` gives the model Gemma 2's block (GeGLU, sandwich and ``1 + w``
+norms, scaled embeddings, local layers at window 512, attention and
+final-logit soft-capping): the final cap adds one more float32 ``[B, L, V]``
+buffer (the ``tanh``), so ``k`` grows by about one, and the soft-capped
+attention is an einsum path whose ``[B, H, T, T]`` scores no fused kernel
+avoids (on CPU the XLA path materialises them for every family anyway).
 """
 
 from __future__ import annotations
@@ -67,11 +75,17 @@ def main(argv=None) -> dict[str, dict[str, float]]:
   ap.add_argument("--experts", type=int, default=16,
                   help="MoE case: experts per layer (0 = no MoE case)")
   ap.add_argument("--top_k", type=int, default=4, help="MoE case: experts per token")
+  ap.add_argument("--gemma", action="store_true",
+                  help="Gemma 2's block (soft-caps, sandwich norms, local layers at window 512)")
   args = ap.parse_args(argv)
 
+  gemma = dict(mlp_activation="gelu_tanh", norm_scale_offset=1.0, post_norms=True,
+               scale_embeddings=True, attn_logit_softcap=50.0, final_logit_softcap=30.0,
+               sliding_window=512, local_layers=tuple(range(0, args.layers, 2)))
   model_cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
                           n_heads=4, n_kv_heads=2, d_ff=2 * args.d_model,
-                          max_seq_len=args.seq_len, tie_embeddings=True)
+                          max_seq_len=args.seq_len, tie_embeddings=True,
+                          **(gemma if args.gemma else {}))
   b, t, v, c = args.rows, args.seq_len - 1, args.vocab, args.chunk
   micro = max(1, b // 2)
   settings = {
@@ -81,7 +95,8 @@ def main(argv=None) -> dict[str, dict[str, float]]:
       f"chunked + micro {micro} + remat": dict(logprob_chunk_size=c, micro_batch_size=micro,
                                                remat="full"),
   }
-  print(f"model: d_model={args.d_model}, {args.layers} layers, vocab {v:,}; batch {b} rows x"
+  print(f"model: {'Gemma 2 block, ' if args.gemma else ''}d_model={args.d_model},"
+        f" {args.layers} layers, vocab {v:,}; batch {b} rows x"
         f" {t} positions; XLA buffer assignment of the compiled train step")
   print(f"predicted: one float32 [B,T,V] tensor = {4 * b * t * v / GIB:.2f} GiB;"
         f" one [B,chunk,V] = {4 * b * c * v / GIB:.2f} GiB -> temporaries shrink by about"

@@ -19,13 +19,14 @@ layers (window 512) per global one, 1.0B parameters of which 0.30B are the embed
 Sizing for one 8-chip host (v5litepod-8: 16 GiB per chip; v4-8: 32 GiB):
 
 * Learner, 4 chips, FSDP: float32 master weights + Adam moments + gradients are 16 B/param,
-  16 GiB, 4 GiB per chip; the 262k vocabulary makes the log-prob head the largest activation,
+  15 GiB, under 4 GiB per chip; the 262k vocabulary makes the log-prob head the largest activation,
   so it is computed 128 positions at a time (``logprob_chunk_size``: 8 rows x 128 x 262,144 x
   4 B = 1 GiB per chunk) with ``remat=dots`` for the blocks.
-* Two rollout servers, 2 chips each (tensor parallelism 2 over the 4 query heads; the single
-  KV head is replicated), bfloat16 weights (2 GiB). KV cache: 26 layers x 2 x 256 x 2 B =
-  26.6 KiB per token, x 64 slots x 1024 positions = 1.7 GiB per server (every layer keeps all
-  positions; local layers only *read* their window: DESIGN.md, Sliding-window attention).
+* Two rollout servers, 2 chips each splitting the slots (``rollout.tensor_parallel=1``: the
+  single KV head cannot be split over chips, and the bfloat16 weights, 2 GiB, fit one chip).
+  KV cache: 26 layers x 2 x 256 x 2 B = 26.6 KiB per token, x 64 slots x 1024 positions =
+  1.7 GiB per server, 0.85 GiB per chip (every layer keeps all positions; local layers only
+  *read* their window: DESIGN.md, Sliding-window attention).
 * ``scan_layers`` stays off: the model mixes local and global layers (a static window per layer).
 
 On a single-chip runtime (Colab): ``--config.learner.num_devices=1

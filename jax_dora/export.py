@@ -44,8 +44,11 @@ class ExportError(RuntimeError):
 def load_run_params(run_dir: str, step: int | None = None):
   """``(ModelConfig, hf_path, params, step)`` of a run's policy version ``step``.
 
-  Snapshots first (params only); the run checkpoint of ``step`` otherwise.
+  Snapshots first (params only); the run checkpoint of ``step`` otherwise, and
+  also when the snapshot holds the servers' cast copy (``snapshots.write_dtype``,
+  e.g. bfloat16 of float32 master weights) and a checkpoint has the master.
   """
+  import jax  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
 
   from jax_dora.model import ModelConfig  # pylint: disable=g-import-not-at-top
@@ -68,12 +71,19 @@ def load_run_params(run_dir: str, step: int | None = None):
     if not versions:
       raise ExportError(f"no snapshot in {snap_dir}; pass --step of a run checkpoint")
     step = versions[-1]
+  params = None
   if step in versions:
     params, _ = reader.load(step)
-    return cfg, meta.get("hf_path"), params, step
+    master = {str(x.dtype) for x in jax.tree.leaves(params)} == {cfg.param_dtype}
+    if master:
+      return cfg, meta.get("hf_path"), params, step
   ckpt = RunCheckpointer(run / "checkpoints")
   try:
     steps = ckpt.all_steps()
+    if step not in steps and params is not None:
+      logging.warning("snapshot %d holds the servers' %s copy and no run checkpoint has step %d:"
+                      " exporting the cast copy", step, jax.tree.leaves(params)[0].dtype, step)
+      return cfg, meta.get("hf_path"), params, step
     if step not in steps:
       raise ExportError(
           f"step {step} is neither a snapshot ({versions}) nor a run checkpoint ({steps})")

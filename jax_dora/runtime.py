@@ -56,7 +56,8 @@ from jax_dora.audit.sample import SAMPLE_FILE, AuditSample
 from jax_dora.audit.snapshots import SnapshotAudit
 from jax_dora.policy import PolicySpec, resolve_policy
 from jax_dora.rewards import RewardScorer
-from jax_dora.snapshots import SnapshotPublisher
+from jax_dora.snapshots import SnapshotPublisher, SnapshotReader
+from jax_dora.snapshots.memory import MemorySnapshots, TieredReader, TransportPublisher
 from jax_dora.types import Prompt
 
 log = logging.getLogger("jax_dora")
@@ -184,8 +185,10 @@ def write_run_metadata(paths: RunPaths, cfg: RunConfig, policy: PolicySpec) -> N
       {"model": policy.model_cfg.to_dict(), "hf_path": policy.hf_path}, indent=2, sort_keys=True))
 
 
-def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Device],
+def build_rollout_clients(cfg, snapshot_dir: epath.Path | Any, devices: list[jax.Device],
                           policy: PolicySpec | None = None):
+  """Remote clients, or embedded servers reading versions from ``snapshot_dir`` (a directory
+  or a reader, e.g. the in-memory transport's)."""
   if cfg.rollout.server_addresses:
     from jax_dora.rollout.client import connect_all  # pylint: disable=g-import-not-at-top
 
@@ -196,7 +199,7 @@ def build_rollout_clients(cfg, snapshot_dir: epath.Path, devices: list[jax.Devic
                        load_timeout_s=cfg.rollout.load_timeout_s)
   from jax_dora.rollout.embedded import build_embedded_servers  # pylint: disable=g-import-not-at-top
 
-  return build_embedded_servers(cfg, str(snapshot_dir), devices, policy)
+  return build_embedded_servers(cfg, snapshot_dir, devices, policy)
 
 
 def build_tool_executor(cfg: RunConfig) -> Any:
@@ -308,13 +311,16 @@ class Run:
   mesh: jax.sharding.Mesh
   group: LearnerGroup
   learner: Learner
-  publisher: SnapshotPublisher
+  publisher: SnapshotPublisher | TransportPublisher
   checkpointer: RunCheckpointer
   incarnation: str
   resumed_step: int | None
   resume_meta: dict[str, Any]
   rollout_devices: list[jax.Device]
   learner_processes: set[int] | None
+  # What servers and audits read versions through: the snapshot directory, or (the
+  # in-memory transport) a TieredReader over the versions in memory and the directory.
+  snapshot_source: Any = None
 
   def train(self, after_step: Callable[[dict[str, Any], Orchestrator], Any] | None = None
             ) -> dict[str, Any]:
@@ -373,7 +379,8 @@ class Run:
     audit_sample = AuditSample(cfg.audit.verify_fraction, seed=cfg.seed,
                                path=paths.output_dir / SAMPLE_FILE,
                                resumed_from_step=resumed_step or 0)
-    label_audit = build_label_audit(cfg, paths.snapshots, learner, tokenizer,
+    source = self.snapshot_source or paths.snapshots
+    label_audit = build_label_audit(cfg, source, learner, tokenizer,
                                     enabled=not self.group.multi_process)
 
     def checkpoint(step: int, pending_prompts: list[Prompt], stream_state: dict[str, Any]) -> None:
@@ -397,7 +404,7 @@ class Run:
     if cfg.learner.dump_batches_dir:
       trainer = BatchRecorder(trainer, cfg.learner.dump_batches_dir)
 
-    rollout = build_rollout_side(cfg, paths.snapshots, self.rollout_devices, self.policy,
+    rollout = build_rollout_side(cfg, source, self.rollout_devices, self.policy,
                                  incarnation=self.incarnation, on_reissue=ledger.reissued)
     progress = None
     if cfg.progress_bar:
@@ -420,7 +427,8 @@ class Run:
                            after_step=after_step, samples=metrics.write_samples),
             incarnation=self.incarnation,
             tool_executor=rollout.tools,
-            snapshot_audit=SnapshotAudit(paths.snapshots, cfg.snapshots.verify_every),
+            snapshot_audit=SnapshotAudit(source, cfg.snapshots.verify_every,
+                                         cast=cfg.snapshot_write_dtype),
             audit_sample=audit_sample,
             label_audit=label_audit,
         )
@@ -546,8 +554,17 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
   # checksums of the cast tree, which the publisher records too.
   casts = ((cfg.rollout.param_dtype,)
            if cfg.rollout.param_dtype and cfg.rollout.param_dtype != cfg.model.param_dtype else ())
-  publisher = SnapshotPublisher(paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep or None,
-                                processes=procs, incarnation=incarnation, checksum_casts=casts)
+  publisher: Any = SnapshotPublisher(
+      paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep or None, processes=procs,
+      incarnation=incarnation, checksum_casts=casts, write_dtype=cfg.snapshot_write_dtype)
+  source: Any = None
+  if cfg.snapshot_transport == "device":
+    memory = MemorySnapshots(cfg.snapshot_memory_versions)
+    publisher = TransportPublisher(publisher, memory, cfg.snapshots.durable_every)
+    source = TieredReader(memory, SnapshotReader(paths.snapshots))
+    log.info("policy versions reach the embedded servers in memory (snapshots.transport=device);"
+             " Orbax gets every %s", f"{cfg.snapshots.durable_every}th version"
+             if cfg.snapshots.durable_every else "first version only")
   version = learner.step
   # Every version from the start one on is republished by this incarnation:
   # the directory may hold a killed run's later versions, or another run's
@@ -558,7 +575,7 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
   return Run(cfg=cfg, paths=paths, policy=policy, mesh=mesh, group=group, learner=learner,
              publisher=publisher, checkpointer=checkpointer, incarnation=incarnation,
              resumed_step=resumed_step, resume_meta=meta, rollout_devices=rollout_devs,
-             learner_processes=procs)
+             learner_processes=procs, snapshot_source=source)
 
 
 def cpu_friendly_env() -> None:

@@ -91,6 +91,14 @@ def test_learner_memory_benchmark_chunked_below_naive():
   moe = res["moe"]
   extra = moe["moe_temp"] - moe["dense_temp"]
   assert moe["predicted_native"] < extra <= 1.3 * moe["predicted_cpu_expansion"], moe
+  # Gemma 2's block (soft-caps, local layers): the same estimate holds for the family.
+  res = learner_memory.main(["--vocab=20000", "--seq_len=513", "--rows=2", "--chunk=64",
+                             "--d_model=64", "--gemma", "--experts=0"])
+  names = [n for n in res if n != "model"]
+  naive, chunked = (res[n]["temp"] for n in names[:2])
+  assert chunked < naive / 2
+  predicted = res["model"]["predicted_chunked_temp"]
+  assert abs(chunked - predicted) / predicted < 0.35, res
 
 
 def test_staleness_sweep_reads_realised_staleness_and_mismatch(tmp_path):
@@ -221,6 +229,19 @@ def test_sliding_window_benchmark_small(tmp_path):
   assert row["local_bytes"]["allocated"] == row["global_bytes"]["allocated"] == 256 * 6 * 512
   assert row["local_bytes"]["read_per_step"] == 256 * (512 + 5 * 64)
   assert row["global_step_s"] > 0 and row["floor_step_s"] > 0 and (tmp_path / "sw.json").exists()
+
+
+def test_weight_sync_benchmark_small(tmp_path):
+  """Every transport, 1 and 2 servers, on a tiny model, with both floors measured (no timing
+  is asserted: the table is the benchmark's job)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import weight_sync  # pylint: disable=g-import-not-at-top
+
+  out = weight_sync.main(["--small", f"--dir={tmp_path / 'ws'}", f"--json={tmp_path / 'ws.json'}"])
+  assert out["memcpy_gib_s"] > 0 and out["disk_write_gib_s"] > 0
+  runs = out["shapes"]["tiny"]["runs"]
+  assert set(runs) == {f"{t}/{n}" for t in weight_sync.TRANSPORTS for n in (1, 2)}
+  assert all(r["to_first_decode_s"] > 0 and r["versions_per_s"] > 0 for r in runs.values())
 
 
 def test_pace_records_by_hand(tmp_path):

@@ -106,19 +106,24 @@ def _tiny_run(out, mode: str, verify_fraction: float | None = None, steps: int =
   return run_training(cfg)
 
 
-def test_a_run_publishing_other_params_than_the_learners_fails_its_audit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("transport", ["orbax", "device"])
+def test_a_run_publishing_other_params_than_the_learners_fails_its_audit(tmp_path, monkeypatch,
+                                                                         transport):
   """The publisher is handed perturbed parameters (its checksums describe them, so servers
-  load them happily); the learner's own check of every version reports each one."""
+  load them happily); the learner's own check of every version reports each one, whether
+  versions travel as files or in memory."""
+  from jax_dora.snapshots.memory import TransportPublisher  # pylint: disable=g-import-not-at-top
 
-  real = SnapshotPublisher.publish
+  cls = SnapshotPublisher if transport == "orbax" else TransportPublisher
+  real = cls.publish
 
-  def perturbed(self, version, params, metadata=None):
+  def perturbed(self, version, params, metadata=None, **kwargs):
     if version >= 2:
       params = jax.tree.map(lambda x: x * 1.001, params)
-    return real(self, version, params, metadata)
+    return real(self, version, params, metadata, **kwargs)
 
-  monkeypatch.setattr(SnapshotPublisher, "publish", perturbed)
-  summary = _tiny_run(tmp_path / "run", "sync")
+  monkeypatch.setattr(cls, "publish", perturbed)
+  summary = _tiny_run(tmp_path / "run", "sync", snapshots__transport=transport)
   bad = [v for v in summary["integrity_violations"] if v.startswith("snapshot version")]
   assert [v.split(":")[0] for v in bad] == ["snapshot version 2", "snapshot version 3"], \
       summary["integrity_violations"]

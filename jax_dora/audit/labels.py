@@ -48,7 +48,7 @@ import numpy as np
 from jax_dora.config import RunConfig
 from jax_dora.learner.batching import bucket_length, make_batch
 from jax_dora.snapshots import (SnapshotCorruptError, SnapshotIntegrityError,
-                                SnapshotNotFoundError, SnapshotReader)
+                                SnapshotNotFoundError, SnapshotReader, as_reader)
 from jax_dora.types import Trajectory, no_route
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def build_label_audit(cfg: RunConfig, snapshot_dir: Any, learner: Any, tokenizer
     log.warning("snapshots.max_to_keep=%d keeps fewer versions than the audit's label check"
                 " may need (max_staleness + 2 = %d): spans of retired versions are counted as"
                 " unverifiable", cfg.snapshots.max_to_keep, window)
-  reader = SnapshotReader(snapshot_dir) if enabled and cfg.audit.verify_fraction > 0 else None
+  reader = as_reader(snapshot_dir) if enabled and cfg.audit.verify_fraction > 0 else None
   return LabelAudit(
       reader, learner, tolerance=label_tolerance(cfg), seq_buckets=learner.seq_len_buckets,
       pad_id=tokenizer.pad_id, max_rows=label_max_rows(cfg))

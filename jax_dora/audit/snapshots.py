@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from jax_dora.snapshots import SnapshotReader, checksum
+from jax_dora.snapshots import as_reader, checksum
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,12 @@ log = logging.getLogger(__name__)
 class SnapshotAudit:
   """Remembers the learner's checksums of chosen versions and checks them once published."""
 
-  def __init__(self, directory: Any, every: int):
+  def __init__(self, directory: Any, every: int, cast: str | None = None):
+    """``directory``: the snapshot directory or a reader; ``cast``: the dtype versions are
+    written in (``snapshots.write_dtype``), which the learner's checksums are taken in."""
     self.every = int(every) if jax.process_count() == 1 else 0
-    self._reader = SnapshotReader(directory, verify_checksums=False) if self.every else None
+    self.cast = cast or None
+    self._reader = as_reader(directory, verify_checksums=False) if self.every else None
     self._own: dict[int, dict[str, checksum.LeafSum]] = {}
     self.checked = 0
 
@@ -42,7 +45,7 @@ class SnapshotAudit:
   def remember(self, version: int, params: Any) -> None:
     """The learner's checksums at ``version`` (call before the next step)."""
     if self.wants(version):
-      self._own[version] = checksum.checksums(params)
+      self._own[version] = checksum.checksums(params, cast=self.cast)
 
   def check(self, version: int) -> str | None:
     """Compares a remembered version with its published record; the problem, or None."""

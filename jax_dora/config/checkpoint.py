@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_dora.config.block import ConfigBlock, field
+from jax_dora.config.block import ConfigBlock, choice, field
+from jax_dora.config.model import check_dtype
+
+SNAPSHOT_TRANSPORTS = ("auto", "orbax", "device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +42,34 @@ class SnapshotsConfig(ConfigBlock):
       10, "Every this many versions the learner checks the published snapshot's checksums"
       " against its own parameters at that version (a difference is an integrity violation);"
       " servers verify every snapshot they load. 0 = the learner does not check.")
+  transport: str = field(
+      "auto", "How a version reaches the rollout servers: orbax (files in directory, the"
+      " durable path and the only one across processes), device (embedded servers: a"
+      " device-to-device copy from the learner's devices, no files; Orbax still gets every"
+      " durable_every-th version), auto = device for embedded servers in one process, else"
+      " orbax.")
+  durable_every: int = field(
+      1, "With transport=device: every this many versions are also written to Orbax by a"
+      " background thread (recovery, the audits, time_to_reward); the first always is; a write"
+      " still running when the next is due is followed by the newest only (counted). 0 = only"
+      " the first.")
+  write_dtype: str = field(
+      "", "Dtype of the parameters written and served: \"\" = what the servers hold"
+      " (rollout.param_dtype, else model.param_dtype), e.g. bfloat16 instead of float32 master"
+      " weights (half the bytes); master = model.param_dtype.")
+  memory_versions: int = field(
+      0, "With transport=device: versions kept in memory on the learner's devices (one"
+      " parameter copy each, in write_dtype); 0 = rollout.max_versions + 1.")
 
   def __post_init__(self):
     if self.max_to_keep < 0:
       self.fail("max_to_keep", "must be >= 1, or 0 to keep every version")
     if self.verify_every < 0:
       self.fail("verify_every", "must be >= 0")
+    choice(self.BLOCK, "transport", self.transport, SNAPSHOT_TRANSPORTS)
+    if self.durable_every < 0:
+      self.fail("durable_every", "must be >= 0")
+    if self.memory_versions < 0:
+      self.fail("memory_versions", "must be >= 0")
+    if self.write_dtype not in ("", "master"):
+      check_dtype(self.BLOCK, "write_dtype", self.write_dtype)

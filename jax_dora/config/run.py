@@ -79,10 +79,38 @@ class RunConfig(ConfigBlock):
     (``orchestrator.turn_version=newest`` with a tool): what the audit allows."""
     return bool(self.tools.name) and self.orchestrator.turn_version == "newest"
 
+  @property
+  def snapshot_transport(self) -> str:
+    """``snapshots.transport`` resolved: ``device`` only for embedded servers in one process."""
+    t = self.snapshots.transport
+    embedded = self.role == "all" and not self.rollout.remote and not self.distributed.enabled
+    if t == "auto":
+      return "device" if embedded else "orbax"
+    return t
+
+  @property
+  def snapshot_write_dtype(self) -> str | None:
+    """``snapshots.write_dtype`` resolved: the dtype versions are written and served in
+    (``None``: as the learner holds them)."""
+    w = self.snapshots.write_dtype
+    if w == "master":
+      return None
+    dtype = w or self.rollout.param_dtype or self.model.param_dtype
+    return None if dtype == self.model.param_dtype else dtype
+
+  @property
+  def snapshot_memory_versions(self) -> int:
+    return self.snapshots.memory_versions or self.rollout.max_versions + 1
+
   def __post_init__(self):
     choice(self.BLOCK, "mode", self.mode, tuple(MODES))
     choice(self.BLOCK, "role", self.role, ROLES)
     if self.log_every < 0:
       self.fail("log_every", "must be >= 0")
+    if self.snapshots.transport == "device" and (
+        self.role != "all" or self.rollout.remote or self.distributed.enabled):
+      self.fail("role", "snapshots.transport=device hands versions to servers in the learner's"
+                " process: remote servers (rollout.server_addresses, role=learner) and"
+                " multi-process runs need snapshots.transport=orbax (or auto)")
     if self.total_steps < 0 or self.max_wall_time_s < 0:
       self.fail("total_steps", "total_steps and max_wall_time_s must be >= 0")

@@ -24,7 +24,7 @@ from jax_dora.config import RunConfig
 from jax_dora.rollout import api
 from jax_dora.rollout.driver import RolloutDriver
 from jax_dora.rollout.engine import build_engine
-from jax_dora.snapshots import SnapshotReader
+from jax_dora.snapshots import SnapshotReader, as_reader
 
 _log = logging.getLogger(__name__)
 
@@ -170,14 +170,15 @@ class EmbeddedRolloutClient:
 
 
 def build_embedded_servers(
-    config, snapshot_dir: str, devices: Sequence[jax.Device], policy=None
+    config, snapshot_dir, devices: Sequence[jax.Device], policy=None
 ) -> list[EmbeddedRolloutClient]:
   """``config.rollout.num_servers`` drivers on disjoint slices of ``devices``.
 
   Each server gets ``devices_per_server`` consecutive devices. With a single
   device (plain CPU) all servers share it, which is the only overlap allowed.
   ``policy``: the run's resolved ``jax_dora.policy.PolicySpec`` (resolved
-  from ``config`` when not given).
+  from ``config`` when not given). ``snapshot_dir``: the snapshot directory, or a reader over
+  it (the in-memory transport's ``TieredReader``).
   """
   if policy is None:
     from jax_dora.policy import resolve_policy  # pylint: disable=g-import-not-at-top
@@ -197,12 +198,13 @@ def build_embedded_servers(
         f"{n} rollout servers x {per} devices need {n * per} devices, got {len(devices)}"
     )
   seeds = itertools.count(config.seed * 1000 + 17)
-  loader = SharedSnapshotLoader(SnapshotReader(snapshot_dir))
+  reader = as_reader(snapshot_dir)
+  loader = SharedSnapshotLoader(reader)
   clients = []
   for i, devs in enumerate(slices):
     engine = build_engine(config, devs, seed=next(seeds), policy=policy)
     driver = RolloutDriver(
-        engine, snapshot_dir, max_versions=r.max_versions, name=f"server{i}",
+        engine, reader, max_versions=r.max_versions, name=f"server{i}",
         load_fn=functools.partial(loader.load, engine),
         precompile=config.precompile, hold_timeout_s=r.hold_timeout_s,
         held_kv_slots=config.held_kv_rows,

@@ -23,7 +23,7 @@ from typing import Any
 
 from jax_dora.rollout.version_holds import VersionHolds
 from jax_dora.rollout.version_store import LoadDecision, VersionStore
-from jax_dora.snapshots import SnapshotIntegrityError, SnapshotReader
+from jax_dora.snapshots import SnapshotIntegrityError, as_reader
 
 _log = logging.getLogger(__name__)
 
@@ -35,11 +35,11 @@ class ServerVersions:
   ``check_alive``: raises once the driver is stopped (a waiting load gives up).
   """
 
-  def __init__(self, snapshot_dir: str, max_versions: int, name: str, hold_timeout_s: float,
+  def __init__(self, snapshot_dir: Any, max_versions: int, name: str, hold_timeout_s: float,
                load_fn: Callable[[int, str | None], Any] | None, params_loader: Callable,
                wake: threading.Condition, check_alive: Callable[[], None]):
     self.name = name
-    self.reader = SnapshotReader(snapshot_dir)
+    self.reader = as_reader(snapshot_dir)  # a directory, or a reader (in-memory transport)
     self.store = VersionStore(max_versions)
     self.holds = VersionHolds(hold_timeout_s, name)
     self._load_fn = load_fn or (lambda v, inc: params_loader(self.reader, v, inc))

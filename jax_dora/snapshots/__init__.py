@@ -1,6 +1,7 @@
 """Versioned policy snapshots: how the learner hands parameters to rollout servers."""
 
 from jax_dora.snapshots.store import abstract_target_like
+from jax_dora.snapshots.store import as_reader
 from jax_dora.snapshots.store import SnapshotCorruptError
 from jax_dora.snapshots.store import SnapshotError
 from jax_dora.snapshots.store import SnapshotIntegrityError
@@ -16,4 +17,5 @@ __all__ = [
     'SnapshotPublisher',
     'SnapshotReader',
     'abstract_target_like',
+    'as_reader',
 ]

@@ -38,6 +38,7 @@ loading the wrong parameters silently.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -143,6 +144,7 @@ class SnapshotPublisher:
       processes: Collection[int] | None = None,
       incarnation: str | None = None,
       checksum_casts: Collection[str] = (),
+      write_dtype: str | None = None,
   ):
     """Opens (creating if needed) the snapshot directory.
 
@@ -162,9 +164,15 @@ class SnapshotPublisher:
         besides the published tree's checksums, every version records the
         checksums of the tree cast to each, so a server holding a cast copy
         can verify it too (``jax_dora.snapshots.checksum``).
+      write_dtype: Cast every floating leaf to this dtype (on its devices)
+        before writing: what the servers restore (``rollout.param_dtype``),
+        half the bytes of float32 master weights for bfloat16 servers.
+        ``None`` writes the tree as handed over. The version's checksums are
+        then those of the written tree.
     """
     self.incarnation = incarnation
     self.checksum_casts = tuple(checksum_casts)
+    self.write_dtype = write_dtype or None
     self._async = bool(async_save)
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1 or None, got {max_to_keep}')
@@ -208,8 +216,26 @@ class SnapshotPublisher:
     """Highest version published (including ones found on disk at start)."""
     return self._last_version
 
+  def checksum_record(self, written: PyTree) -> dict[str, Any]:
+    """The checksums a version's metadata carries for the tree ``written`` (already cast to
+    ``write_dtype``): its own, and the tree cast to each other reader dtype."""
+    dtypes = {jax.numpy.dtype(x.dtype).name for x in jax.tree.leaves(written)}
+    casts = tuple(c for c in self.checksum_casts if jax.numpy.dtype(c).name not in dtypes)
+    return checksum.record(written, casts)
+
+  def cast_for_writing(self, params: PyTree) -> PyTree:
+    """``params`` in ``write_dtype`` (floating leaves; a jitted cast where they live)."""
+    if self.write_dtype is None:
+      return params
+    dtype = jax.numpy.dtype(self.write_dtype)
+    if all(x.dtype == dtype or not jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+           for x in jax.tree.leaves(params)):
+      return params
+    return _cast_floating(params, dtype)
+
   def publish(
-      self, version: int, params: PyTree, metadata: dict[str, Any] | None = None
+      self, version: int, params: PyTree, metadata: dict[str, Any] | None = None,
+      checksums: dict[str, Any] | None = None,
   ) -> None:
     """Writes ``params`` as ``version``; visible to readers once finalized.
 
@@ -217,6 +243,8 @@ class SnapshotPublisher:
       version: Non-negative int, strictly greater than any published before.
       params: Pytree of arrays. Sharded ``jax.Array``s are fine.
       metadata: JSON-serializable dict stored alongside the params.
+      checksums: The record of the tree as written, if the caller computed it
+        already (the in-memory transport does, once per version).
 
     Raises:
       ValueError: ``version`` is not strictly increasing / not an int.
@@ -240,9 +268,12 @@ class SnapshotPublisher:
       raise TypeError(f'metadata must be a dict, got {type(metadata)}')
     if self.incarnation is not None:
       metadata = dict(metadata, incarnation=self.incarnation)
+    params = self.cast_for_writing(params)
     # What readers verify the restored tree against: computed here, from the
     # tree handed over, on its devices (one read of the parameters).
-    metadata = dict(metadata, checksums=checksum.record(params, self.checksum_casts))
+    if checksums is None:
+      checksums = self.checksum_record(params)
+    metadata = dict(metadata, checksums=checksums)
     # Fail here, with a clear message, rather than inside Orbax's (possibly
     # background) writer after the params are already half written.
     try:
@@ -323,6 +354,20 @@ class SnapshotPublisher:
         entry.rmtree(missing_ok=True)
     except OSError as e:  # Best effort: leftovers cost disk, not correctness.
       _log.warning('Could not purge %s: %s', trash, e)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_floating(params: PyTree, dtype) -> PyTree:
+  return jax.tree.map(
+      lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params)
+
+
+def as_reader(source: Any, verify_checksums: bool = True) -> Any:
+  """A reader for ``source``: a snapshot directory (a new ``SnapshotReader``), or a reader
+  already built (the in-memory transport's ``TieredReader``), passed through."""
+  if hasattr(source, 'load') and hasattr(source, 'read_metadata'):
+    return source
+  return SnapshotReader(source, verify_checksums=verify_checksums)
 
 
 def abstract_target_like(
