@@ -27,7 +27,9 @@ versions/s = cycles / their total time. In the same run, the floors each
 figure is a fraction of: this machine's memory-copy bandwidth (``np.copyto``
 of 1 GiB) and disk write bandwidth (1 GiB written and ``fsync``-ed into the
 snapshot directory's filesystem), so "publish at 0.4 of the disk floor" means
-the bytes written would take 0.4x as long at raw disk speed.
+the bytes written would take 0.4x as long at raw disk speed. Each (shape,
+transport, servers) runs in its own process (``--one``), so one run's buffers
+and caches never inflate the next's memory or times.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -189,6 +192,25 @@ def parts(cfg: ModelConfig, params) -> dict[str, float]:
   return out
 
 
+def one(spec: str, versions: int, root: str) -> dict:
+  """``SHAPE:TRANSPORT:SERVERS`` (or ``SHAPE:parts``) in this process."""
+  shape, transport, *rest = spec.split(":")
+  cfg = ModelConfig(max_seq_len=32, tie_embeddings=True, **SHAPES[shape])
+  params = learner_params(cfg, 0)
+  if transport == "parts":
+    return {"params": sum(x.size for x in jax.tree.leaves(params)), **parts(cfg, params)}
+  return run_transport(transport, cfg, params, int(rest[0]), versions, root)
+
+
+def _in_subprocess(spec: str, versions: int, root: str) -> dict:
+  proc = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), f"--one={spec}", f"--versions={versions}",
+       f"--dir={root}"], capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"{spec} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--shapes", default="0.1b,0.5b,1.5b")
@@ -197,29 +219,33 @@ def main(argv=None) -> dict:
   p.add_argument("--versions", type=int, default=3)
   p.add_argument("--dir", default="", help="where snapshots are written (default: a temp dir)")
   p.add_argument("--small", action="store_true", help="CI smoke: the tiny shape, 1 version")
+  p.add_argument("--one", default="", help=argparse.SUPPRESS)  # SHAPE:TRANSPORT:SERVERS, JSON out
   p.add_argument("--json", default="")
   a = p.parse_args(argv)
-  shapes = ["tiny"] if a.small else a.shapes.split(",")
-  versions = 1 if a.small else a.versions
   root = a.dir or tempfile.mkdtemp(prefix="weight_sync_")
   os.makedirs(root, exist_ok=True)
+  if a.one:
+    print(json.dumps(one(a.one, a.versions, root)))
+    return {}
+  shapes = ["tiny"] if a.small else a.shapes.split(",")
+  versions = 1 if a.small else a.versions
   floor_size = 64 * 2 ** 20 if a.small else GIB
   out: dict = {"machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
                "memcpy_gib_s": memcpy_gib_s(floor_size),
                "disk_write_gib_s": disk_write_gib_s(root, floor_size), "shapes": {}}
   print(f"floors: memory copy {out['memcpy_gib_s']:.2f} GiB/s, disk write (fsync)"
-        f" {out['disk_write_gib_s']:.2f} GiB/s; {out['machine']}")
+        f" {out['disk_write_gib_s']:.2f} GiB/s; {out['machine']}", flush=True)
   for shape in shapes:
-    cfg = ModelConfig(max_seq_len=32, tie_embeddings=True, **SHAPES[shape])
-    params = learner_params(cfg, 0)
-    n = sum(x.size for x in jax.tree.leaves(params))
-    res = {"params": n, "float32_gib": 4 * n / GIB, "parts": parts(cfg, params), "runs": {}}
+    pr = _in_subprocess(f"{shape}:parts", versions, root)
+    n = pr.pop("params")
+    res = {"params": n, "float32_gib": 4 * n / GIB, "parts": pr, "runs": {}}
     for transport in a.transports.split(","):
       for servers in (int(s) for s in a.servers.split(",")):
-        r = run_transport(transport, cfg, params, servers, versions, root)
+        r = _in_subprocess(f"{shape}:{transport}:{servers}", versions, root)
         written = 4 * n if transport == "orbax" else 2 * n
         r["publish_x_disk_floor"] = r["publish_s"] / (written / GIB / out["disk_write_gib_s"])
-        # device: the learner-side cast copy plus one bf16 copy per server, at memcpy speed.
+        # The bfloat16 bytes a version must at least move: the learner-side cast copy plus
+        # one copy per server, at memory-copy speed.
         moved = 2 * n * (1 + servers)
         r["servable_x_memcpy_floor"] = r["servable_s"] / (moved / GIB / out["memcpy_gib_s"])
         res["runs"][f"{transport}/{servers}"] = r
@@ -228,8 +254,6 @@ def main(argv=None) -> dict:
               f" {r['first_decode_s']:.2f}s -> {r['to_first_decode_s']:.2f}s;"
               f" {r['versions_per_s']:.2f} versions/s", flush=True)
     out["shapes"][shape] = res
-    del params
-    gc.collect()
   _table(out)
   if a.json:
     with open(a.json, "w") as f:

@@ -186,7 +186,7 @@ def write_run_metadata(paths: RunPaths, cfg: RunConfig, policy: PolicySpec) -> N
 
 
 def build_rollout_clients(cfg, snapshot_dir: epath.Path | Any, devices: list[jax.Device],
-                          policy: PolicySpec | None = None):
+                          policy: PolicySpec | None = None, offers: Any = None):
   """Remote clients, or embedded servers reading versions from ``snapshot_dir`` (a directory
   or a reader, e.g. the in-memory transport's)."""
   if cfg.rollout.server_addresses:
@@ -196,7 +196,8 @@ def build_rollout_clients(cfg, snapshot_dir: epath.Path | Any, devices: list[jax
     # admits each one once it answers its health check and has loaded the
     # current version; requests wait for an admitted server meanwhile.
     return connect_all(cfg.rollout.server_addresses, timeout_s=cfg.rollout.control_timeout_s,
-                       load_timeout_s=cfg.rollout.load_timeout_s)
+                       load_timeout_s=cfg.rollout.load_timeout_s, offers=offers,
+                       tensor_parallel=cfg.rollout.tensor_parallel)
   from jax_dora.rollout.embedded import build_embedded_servers  # pylint: disable=g-import-not-at-top
 
   return build_embedded_servers(cfg, snapshot_dir, devices, policy)
@@ -247,9 +248,11 @@ class RolloutSide:
 def build_rollout_side(cfg: RunConfig, snapshot_dir: epath.Path,
                        devices: list[jax.Device], policy: PolicySpec, *,
                        incarnation: str | None = None,
-                       on_reissue: Callable[[int, int, str], None] | None = None) -> RolloutSide:
-  """Rollout clients (embedded or remote), their dispatcher and the scorer, from ``cfg``."""
-  clients = list(build_rollout_clients(cfg, snapshot_dir, devices, policy))
+                       on_reissue: Callable[[int, int, str], None] | None = None,
+                       offers: Any = None) -> RolloutSide:
+  """Rollout clients (embedded or remote), their dispatcher and the scorer, from ``cfg``;
+  ``offers``: the learner's transfer offers for remote servers (transfer_server transport)."""
+  clients = list(build_rollout_clients(cfg, snapshot_dir, devices, policy, offers=offers))
   dispatcher = Dispatcher(
       clients,
       on_reissue=on_reissue,
@@ -321,6 +324,7 @@ class Run:
   # What servers and audits read versions through: the snapshot directory, or (the
   # in-memory transport) a TieredReader over the versions in memory and the directory.
   snapshot_source: Any = None
+  transfer_offers: Any = None  # snapshots.transport=transfer_server: the learner's offers
 
   def train(self, after_step: Callable[[dict[str, Any], Orchestrator], Any] | None = None
             ) -> dict[str, Any]:
@@ -405,6 +409,7 @@ class Run:
       trainer = BatchRecorder(trainer, cfg.learner.dump_batches_dir)
 
     rollout = build_rollout_side(cfg, source, self.rollout_devices, self.policy,
+                                 offers=self.transfer_offers,
                                  incarnation=self.incarnation, on_reissue=ledger.reissued)
     progress = None
     if cfg.progress_bar:
@@ -558,13 +563,20 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
       paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep or None, processes=procs,
       incarnation=incarnation, checksum_casts=casts, write_dtype=cfg.snapshot_write_dtype)
   source: Any = None
-  if cfg.snapshot_transport == "device":
+  offers = None
+  if cfg.snapshot_transport in ("device", "transfer_server"):
     memory = MemorySnapshots(cfg.snapshot_memory_versions)
     publisher = TransportPublisher(publisher, memory, cfg.snapshots.durable_every)
     source = TieredReader(memory, SnapshotReader(paths.snapshots))
-    log.info("policy versions reach the embedded servers in memory (snapshots.transport=device);"
-             " Orbax gets every %s", f"{cfg.snapshots.durable_every}th version"
-             if cfg.snapshots.durable_every else "first version only")
+    if cfg.snapshot_transport == "transfer_server":
+      from jax_dora.snapshots.transfer import TransferOffers  # pylint: disable=g-import-not-at-top
+
+      offers = TransferOffers(memory, policy.model_cfg, list(mesh.devices.flat),
+                              cfg.snapshots.transfer_host)
+    log.info("policy versions reach the servers in memory (snapshots.transport=%s%s); Orbax"
+             " gets %s", cfg.snapshot_transport, f", offered at {offers.address}" if offers else "",
+             f"every {cfg.snapshots.durable_every}th version" if cfg.snapshots.durable_every
+             else "the first version only")
   version = learner.step
   # Every version from the start one on is republished by this incarnation:
   # the directory may hold a killed run's later versions, or another run's
@@ -575,7 +587,7 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
   return Run(cfg=cfg, paths=paths, policy=policy, mesh=mesh, group=group, learner=learner,
              publisher=publisher, checkpointer=checkpointer, incarnation=incarnation,
              resumed_step=resumed_step, resume_meta=meta, rollout_devices=rollout_devs,
-             learner_processes=procs, snapshot_source=source)
+             learner_processes=procs, snapshot_source=source, transfer_offers=offers)
 
 
 def cpu_friendly_env() -> None:

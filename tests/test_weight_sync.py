@@ -28,6 +28,7 @@ from jax_dora.snapshots import (SnapshotIntegrityError, SnapshotNotFoundError, S
                                 SnapshotReader)
 from jax_dora.snapshots import memory as memory_lib
 from jax_dora.snapshots.memory import MemorySnapshots, TieredReader, TransportPublisher
+from jax_dora.snapshots.transfer import TransferOffers, TransferSource
 
 TOK = CharTokenizer()
 CFG = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -130,7 +131,7 @@ def test_killed_or_corrupt_transfer_leaves_the_server_on_its_versions(tmp_path, 
     assert driver.status().versions_loaded == (1,)
     # Damage the held copy of version 3 after its checksums were recorded.
     pub.publish(3, _learner_params(3), {"step": 3})
-    params, meta = pub.memory._get(3)  # pylint: disable=protected-access
+    params, meta = pub.memory.get(3)
     leaf = jax.tree.leaves(params)[0]
     broken = jax.tree.unflatten(jax.tree.structure(params),
                                 [leaf.at[0].add(1.0)] + jax.tree.leaves(params)[1:])
@@ -168,14 +169,83 @@ def test_restarted_server_catches_up_from_memory_and_durable_versions(tmp_path):
   pub.close()
 
 
+def test_transfer_server_offer_pulled_onto_a_tp2_server_is_the_learners_bytes(tmp_path):
+  """JAX's transfer server (``jax.experimental.transfer``, on CPU): the learner stages a
+  version in the server's tensor-parallel layout and offers it; the server pulls it onto its
+  devices, byte-equal to the learner's. An offer staged for another layout, and one whose
+  recorded checksums do not match, are refused with clear errors."""
+  disk = SnapshotPublisher(tmp_path / "snaps", max_to_keep=None, incarnation="inc")
+  pub = TransportPublisher(disk, MemorySnapshots(keep=2), durable_every=0)
+  offers = TransferOffers(pub.memory, CFG, jax.devices()[:4], "127.0.0.1")
+  learner = _learner_params(3)
+  pub.publish(1, learner, {"step": 1})
+  engine = _engine()
+  params = engine.load_params(TransferSource(offers.offer(1, tensor_parallel=2), 1), 1, "inc")
+  assert {d.id for x in jax.tree.leaves(params) for d in x.devices()} == {4, 5}
+  _assert_bytes_equal(_host(params), _host(learner))
+  with pytest.raises(ValueError, match="tensor_parallel"):
+    engine.load_params(TransferSource(offers.offer(1, tensor_parallel=1), 1), 1, "inc")
+  bad = offers.offer(1, tensor_parallel=2)
+  first = sorted(bad["metadata"]["checksums"]["published"])[0]
+  bad["metadata"]["checksums"]["published"][first][1] += 1
+  with pytest.raises(SnapshotIntegrityError, match=first):
+    engine.load_params(TransferSource(bad, 1), 1, "inc")
+  with pytest.raises(SnapshotNotFoundError, match="incarnation"):
+    engine.load_params(TransferSource(offers.offer(1, tensor_parallel=2), 1), 1, "other")
+  pub.close()
+
+
+def test_remote_server_trains_on_versions_pulled_through_the_transfer_server(tmp_path):
+  """The pod layout on loopback: a ``server_main`` process and a learner with
+  ``snapshots.transport=transfer_server`` and no durable versions but the first: every later
+  version reaches the server only by a pull; the run's audit is clean and the on-policy
+  ratio of sync is exactly 1 (the server decoded with the learner's exact parameters)."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from _harness import RolloutServerProcess  # pylint: disable=g-import-not-at-top
+
+  from jax_dora.runtime import run_training  # pylint: disable=g-import-not-at-top
+
+  snaps = tmp_path / "snaps"
+  server = RolloutServerProcess(snaps, tmp_path / "server.log", slots=8)
+  try:
+    cfg = base_config()
+    cfg.mode = "sync"
+    cfg.output_dir = str(tmp_path / "run")
+    cfg.total_steps = 3
+    cfg.progress_bar = False
+    cfg.eval.num_prompts = 0
+    cfg.eval.at_start = False
+    cfg.role = "learner"
+    cfg.rollout.server_addresses = server.address
+    cfg.snapshots.directory = str(snaps)
+    cfg.snapshots.transport = "transfer_server"
+    cfg.snapshots.durable_every = 0
+    cfg.snapshots.verify_every = 1
+    summary = run_training(cfg)
+  finally:
+    server.close()
+  assert summary["steps"] == 3 and summary["integrity_violations"] == [], summary
+  assert SnapshotReader(snaps).versions() == [0]  # versions 1-3 travelled only by transfer
+  recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert all(abs(r["train/ratio_mean"] - 1.0) < 1e-4 for r in recs)
+  assert "Traceback" not in server.log()
+
+
 def test_transport_config_resolves_and_rejects_device_for_remote_servers():
   cfg = base_config()
   assert validate(cfg).snapshot_transport == "device"  # embedded servers, one process
   cfg.rollout.server_addresses = "localhost:9000"
   cfg.role = "learner"
   assert validate(cfg).snapshot_transport == "orbax"
+  cfg.snapshots.transport = "transfer_server"
+  assert validate(cfg).snapshot_transport == "transfer_server"
   cfg.snapshots.transport = "device"
   with pytest.raises(ConfigError, match="snapshots.transport=orbax"):
+    validate(cfg)
+  cfg = base_config()
+  cfg.snapshots.transport = "transfer_server"  # embedded servers: no remote server to pull
+  with pytest.raises(ConfigError, match="transfer_server"):
     validate(cfg)
   cfg = base_config()
   cfg.rollout.param_dtype = "bfloat16"

@@ -7,7 +7,7 @@ import dataclasses
 from jax_dora.config.block import ConfigBlock, choice, field
 from jax_dora.config.model import check_dtype
 
-SNAPSHOT_TRANSPORTS = ("auto", "orbax", "device")
+SNAPSHOT_TRANSPORTS = ("auto", "orbax", "device", "transfer_server")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +46,9 @@ class SnapshotsConfig(ConfigBlock):
       "auto", "How a version reaches the rollout servers: orbax (files in directory, the"
       " durable path and the only one across processes), device (embedded servers: a"
       " device-to-device copy from the learner's devices, no files; Orbax still gets every"
-      " durable_every-th version), auto = device for embedded servers in one process, else"
-      " orbax.")
+      " durable_every-th version), transfer_server (remote servers pull each version from the"
+      " learner's JAX transfer server, jax.experimental.transfer; Orbax as for device), auto ="
+      " device for embedded servers in one process, else orbax.")
   durable_every: int = field(
       1, "With transport=device: every this many versions are also written to Orbax by a"
       " background thread (recovery, the audits, time_to_reward); the first always is; a write"
@@ -57,6 +58,9 @@ class SnapshotsConfig(ConfigBlock):
       "", "Dtype of the parameters written and served: \"\" = what the servers hold"
       " (rollout.param_dtype, else model.param_dtype), e.g. bfloat16 instead of float32 master"
       " weights (half the bytes); master = model.param_dtype.")
+  transfer_host: str = field(
+      "127.0.0.1", "With transport=transfer_server: the address the learner's and each server's"
+      " transfer servers bind and advertise; must be reachable across hosts (the host's IP).")
   memory_versions: int = field(
       0, "With transport=device: versions kept in memory on the learner's devices (one"
       " parameter copy each, in write_dtype); 0 = rollout.max_versions + 1.")

@@ -112,5 +112,10 @@ class RunConfig(ConfigBlock):
       self.fail("role", "snapshots.transport=device hands versions to servers in the learner's"
                 " process: remote servers (rollout.server_addresses, role=learner) and"
                 " multi-process runs need snapshots.transport=orbax (or auto)")
+    if self.snapshots.transport == "transfer_server" and self.role != "rollout" and (
+        not self.rollout.remote or self.distributed.enabled):
+      self.fail("role", "snapshots.transport=transfer_server sends versions to remote servers"
+                " (rollout.server_addresses) from a single-process learner; embedded servers use"
+                " device, multi-process learners orbax")
     if self.total_steps < 0 or self.max_wall_time_s < 0:
       self.fail("total_steps", "total_steps and max_wall_time_s must be >= 0")

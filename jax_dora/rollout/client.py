@@ -88,9 +88,16 @@ class GrpcRolloutClient:
       timeout_s: float = 30.0,
       name: str | None = None,
       load_timeout_s: float = 600.0,
+      offers: Any = None,
+      tensor_parallel: int = 1,
   ):
     """``timeout_s``: deadline of Status/Abort/Health calls;
-    ``load_timeout_s``: deadline of LoadVersion. Generate has none."""
+    ``load_timeout_s``: deadline of LoadVersion. Generate has none.
+    ``offers``: the learner's ``TransferOffers`` (``snapshots.transport=transfer_server``):
+    each LoadVersion then carries a fresh offer of the version for the server to pull,
+    staged for its ``tensor_parallel``."""
+    self.offers = offers
+    self.tensor_parallel = int(tensor_parallel)
     self.address = address
     self.name = name or f"grpc:{address}"
     self.timeout_s = float(timeout_s)
@@ -196,11 +203,11 @@ class GrpcRolloutClient:
     return result
 
   async def load_version(self, version: int, incarnation: str | None = None) -> None:
-    await self._unary(
-        wire.LOAD_VERSION,
-        {"version": int(version), "incarnation": incarnation},
-        timeout=self.load_timeout_s,
-    )
+    request: dict[str, Any] = {"version": int(version), "incarnation": incarnation}
+    if self.offers is not None:
+      request["transfer"] = await asyncio.to_thread(self.offers.offer, version,
+                                                    self.tensor_parallel)
+    await self._unary(wire.LOAD_VERSION, request, timeout=self.load_timeout_s)
 
   async def abort(self, request_ids: list[str]) -> None:
     await self._unary(wire.ABORT, {"request_ids": [str(i) for i in request_ids]})
@@ -250,7 +257,8 @@ class GrpcRolloutClient:
 
 
 def connect_all(
-    addresses: str, timeout_s: float = 30.0, load_timeout_s: float = 600.0
+    addresses: str, timeout_s: float = 30.0, load_timeout_s: float = 600.0,
+    offers: Any = None, tensor_parallel: int = 1,
 ) -> list[GrpcRolloutClient]:
   """Clients for ``"host:port,host:port"`` (config.rollout.server_addresses).
 
@@ -266,7 +274,8 @@ def connect_all(
     if not sep or not host or not port.isdigit():
       raise ValueError(f"bad rollout server address {a!r} in {addresses!r}; want host:port")
     out.append(
-        GrpcRolloutClient(a, timeout_s=timeout_s, load_timeout_s=load_timeout_s)
+        GrpcRolloutClient(a, timeout_s=timeout_s, load_timeout_s=load_timeout_s,
+                          offers=offers, tensor_parallel=tensor_parallel)
     )
   if not out:
     raise ValueError(f"no rollout server addresses in {addresses!r}")

@@ -118,9 +118,11 @@ class RolloutDriver:
     self._thread.start()
 
   # ============================================================ public API
-  def load_version(self, version: int, incarnation: str | None = None) -> None:
-    """Loads snapshot ``version`` (``ServerVersions.load_version``)."""
-    self.versions.load_version(version, incarnation)
+  def load_version(self, version: int, incarnation: str | None = None,
+                   source: Any = None) -> None:
+    """Loads snapshot ``version`` (``ServerVersions.load_version``); ``source``: a reader
+    for this one load (a transfer offer) instead of the server's own."""
+    self.versions.load_version(version, incarnation, source)
 
   # The server's versions (``versions.py``): its store, holds, snapshot reader, incarnation.
   store = property(lambda self: self.versions.store)

@@ -54,7 +54,8 @@ SERVER_OPTIONS = (
 class Driver(Protocol):
   """What the server needs from ``jax_dora.rollout.driver.RolloutDriver``."""
 
-  def load_version(self, version: int, incarnation: str | None = None) -> None: ...
+  def load_version(self, version: int, incarnation: str | None = None,
+                   source: Any = None) -> None: ...
 
   def submit(self, request: api.RolloutRequest, callback) -> None: ...
 
@@ -89,9 +90,13 @@ class RolloutServer:
       port: int,
       host: str = "127.0.0.1",
       name: str = "rollout",
+      transfer_host: str = "127.0.0.1",
   ):
+    """``transfer_host``: where this server's JAX transfer server binds to pull offers
+    (``snapshots.transport=transfer_server``; started on the first offer)."""
     self._driver = driver
     self._host = host
+    self._transfer_host = transfer_host
     self._requested_port = int(port)
     self._port: int | None = None
     self._name = name
@@ -236,10 +241,20 @@ class RolloutServer:
           grpc.StatusCode.INVALID_ARGUMENT,
           f"LoadVersion incarnation must be a string, got {incarnation!r}",
       )
+    transfer = request.get("transfer")
+    source = None
+    if transfer is not None:
+      if not isinstance(transfer, dict) or not {"address", "uuid", "tensor_parallel"} <= set(
+          transfer):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"LoadVersion transfer must be an offer dict, got {transfer!r}")
+      from jax_dora.snapshots.transfer import TransferSource  # pylint: disable=g-import-not-at-top
+
+      source = TransferSource(transfer, version, host=self._transfer_host)
     try:
-      # Loading reads a snapshot from disk and transfers it to devices: keep
-      # the event loop (and every other stream) running meanwhile.
-      await asyncio.to_thread(self._driver.load_version, version, incarnation)
+      # Loading reads a snapshot from disk (or pulls an offer) and transfers it
+      # to devices: keep the event loop (and every other stream) running meanwhile.
+      await asyncio.to_thread(self._driver.load_version, version, incarnation, source)
     except Exception as e:  # pylint: disable=broad-except
       _log.warning("LoadVersion(%s) failed: %s", version, e)
       await context.abort(

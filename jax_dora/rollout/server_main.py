@@ -168,7 +168,8 @@ async def _serve(config, host: str, grace_s: float, name: str) -> None:
   await asyncio.to_thread(load_newest_at_start, driver, SnapshotReader(snapshot_dir), name)
 
   server = server_lib.RolloutServer(
-      driver, config.rollout.port, host=host, name=name
+      driver, config.rollout.port, host=host, name=name,
+      transfer_host=config.snapshots.transfer_host,
   )
   await server.start()
   status = driver.status()

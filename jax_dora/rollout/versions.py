@@ -43,6 +43,9 @@ class ServerVersions:
     self.store = VersionStore(max_versions)
     self.holds = VersionHolds(hold_timeout_s, name)
     self._load_fn = load_fn or (lambda v, inc: params_loader(self.reader, v, inc))
+    self._params_loader = params_loader
+    # A pending version's params already fetched from a one-off source (a transfer offer).
+    self._prefetched: tuple[int, Any] | None = None
     # The run incarnation whose versions this server holds (None: not known
     # yet, or snapshots without one).
     self.incarnation: str | None = None
@@ -53,7 +56,8 @@ class ServerVersions:
     self._load_lock = threading.Lock()
     self.integrity_failures = 0  # snapshot loads refused by their checksums
 
-  def load_version(self, version: int, incarnation: str | None = None) -> None:
+  def load_version(self, version: int, incarnation: str | None = None,
+                   source: Any = None) -> None:
     """Loads snapshot ``version``; returns once loaded or recorded as pending.
 
     Idempotent. A version older than the newest held one is ignored (new
@@ -62,6 +66,10 @@ class ServerVersions:
     from the one held, the driver loop first drops every held version and
     fails their requests with :class:`api.IncarnationMismatchError`. ``None``
     keeps the current incarnation, or adopts the snapshot's own on the first load.
+
+    ``source``: a reader for this load only (a pulled transfer offer,
+    ``snapshots/transfer.py``); a version that must wait for room is fetched
+    from it at once and kept until it is loaded.
 
     Raises:
       SnapshotNotFoundError / SnapshotCorruptError: from the snapshot reader
@@ -74,15 +82,17 @@ class ServerVersions:
       if incarnation is None:
         incarnation = self.incarnation
         if incarnation is None:
-          incarnation = self.reader.read_metadata(version).get("incarnation")
+          incarnation = (source or self.reader).read_metadata(version).get("incarnation")
       if incarnation != self.incarnation:
         self._switch(incarnation)
       decision = self.store.begin_load(version)
       if decision is LoadDecision.LOAD:
-        self._load(version)
+        self._load(version, source)
       elif decision is LoadDecision.PENDING:
+        if source is not None:  # an offer is pulled now; the params wait with the version
+          self._prefetched = (version, self._load_from(source, version))
         # Fail fast on a version that does not exist instead of leaving it pending forever.
-        if not self.reader.has_version(version):
+        elif not self.reader.has_version(version):
           self.reader.load(version)  # raises SnapshotNotFoundError with the path
         _log.info("%s: version %d pending (no room among %d held versions: older ones still"
                   " pinned)", self.name, version, self.store.max_versions)
@@ -109,9 +119,19 @@ class ServerVersions:
     self.incarnation = incarnation
     self._switched.set()
 
-  def _load(self, version: int) -> None:
+  def _load_from(self, source: Any, version: int) -> Any:
+    return self._params_loader(source, version, self.incarnation)
+
+  def _load(self, version: int, source: Any = None) -> None:
     try:
-      params = self._load_fn(version, self.incarnation)
+      if source is not None:
+        params = self._load_from(source, version)
+      elif self._prefetched is not None and self._prefetched[0] == version:
+        params = self._prefetched[1]
+      else:
+        params = self._load_fn(version, self.incarnation)
+      if self._prefetched is not None and self._prefetched[0] <= version:
+        self._prefetched = None
     except BaseException as e:
       self.store.abort_load(version)
       if isinstance(e, SnapshotIntegrityError):

@@ -35,11 +35,31 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
 def _leaf_sums(x: jax.Array) -> jax.Array:
-  """``[2]`` uint32: the bit sum and the position-weighted bit sum of ``x``."""
+  """``[2]`` uint32: the bit sum and the position-weighted bit sum of ``x``.
+
+  The weight of an element is ``2 * (its row-major flat index) + 1``. Computed
+  without flattening and without a weight per element: the flat index is
+  ``sum_d i_d * stride_d``, so (mod 2^32, a ring) ``sum(bits * index) =
+  sum_d stride_d * sum_i i * marginal_d[i]``, where ``marginal_d`` sums the
+  bits over every other axis. A ``reshape(-1)`` of an array sharded over
+  several devices made XLA gather it first, and the per-element weights cost a
+  multiply each: measured on a 0.1B bfloat16 tree sharded over a 4-device
+  learner mesh (2-core CPU, 12-07), 0.93 s flat, 0.30 s with per-axis iotas,
+  0.21 s with marginals. Same numbers as the flat form.
+  """
   size = jnp.dtype(x.dtype).itemsize
-  bits = jax.lax.bitcast_convert_type(x, _UINT[size]).astype(jnp.uint32).reshape(-1)
-  weight = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-  return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
+  bits = jax.lax.bitcast_convert_type(x, _UINT[size]).astype(jnp.uint32)
+  total = jnp.sum(bits, dtype=jnp.uint32)
+  index_sum = jnp.uint32(0)
+  stride = 1
+  for axis in reversed(range(bits.ndim)):
+    others = tuple(a for a in range(bits.ndim) if a != axis)
+    marginal = jnp.sum(bits, axis=others, dtype=jnp.uint32)
+    positions = jnp.arange(bits.shape[axis], dtype=jnp.uint32)
+    index_sum = index_sum + jnp.uint32(stride % 2 ** 32) * jnp.sum(marginal * positions,
+                                                                  dtype=jnp.uint32)
+    stride *= bits.shape[axis]
+  return jnp.stack([total, index_sum * jnp.uint32(2) + total])
 
 
 @functools.partial(jax.jit, static_argnames="cast")

@@ -107,9 +107,10 @@ class MemorySnapshots:
       return int(version) in self._versions
 
   def read_metadata(self, version: int) -> dict[str, Any]:
-    return dict(self._get(version)[1])
+    return dict(self.get(version)[1])
 
-  def _get(self, version: int) -> tuple[PyTree, dict[str, Any]]:
+  def get(self, version: int) -> tuple[PyTree, dict[str, Any]]:
+    """``(the held tree, its metadata)``; ``SnapshotNotFoundError`` if not held."""
     with self._lock:
       found = self._versions.get(int(version))
       held = sorted(self._versions)
@@ -125,7 +126,7 @@ class MemorySnapshots:
       SnapshotNotFoundError: not held (never put, evicted) or of another incarnation.
       SnapshotIntegrityError: the placed tree is not the one recorded.
     """
-    params, metadata = self._get(version)
+    params, metadata = self.get(version)
     found = metadata.get("incarnation")
     if incarnation is not None and found != incarnation:
       raise SnapshotNotFoundError(
