@@ -565,7 +565,7 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
   source: Any = None
   offers = None
   if cfg.snapshot_transport in ("device", "transfer_server"):
-    memory = MemorySnapshots(cfg.snapshot_memory_versions)
+    memory = MemorySnapshots(cfg.snapshots.memory_versions)
     publisher = TransportPublisher(publisher, memory, cfg.snapshots.durable_every)
     source = TieredReader(memory, SnapshotReader(paths.snapshots))
     if cfg.snapshot_transport == "transfer_server":

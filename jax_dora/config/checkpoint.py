@@ -62,8 +62,9 @@ class SnapshotsConfig(ConfigBlock):
       "127.0.0.1", "With transport=transfer_server: the address the learner's and each server's"
       " transfer servers bind and advertise; must be reachable across hosts (the host's IP).")
   memory_versions: int = field(
-      0, "With transport=device: versions kept in memory on the learner's devices (one"
-      " parameter copy each, in write_dtype); 0 = rollout.max_versions + 1.")
+      2, "With transport=device or transfer_server: newest versions kept in memory on the"
+      " learner's devices (one parameter copy each, in write_dtype: accelerator memory); servers"
+      " load a version as soon as it is published, older ones come from the durable files.")
 
   def __post_init__(self):
     if self.max_to_keep < 0:
@@ -73,7 +74,7 @@ class SnapshotsConfig(ConfigBlock):
     choice(self.BLOCK, "transport", self.transport, SNAPSHOT_TRANSPORTS)
     if self.durable_every < 0:
       self.fail("durable_every", "must be >= 0")
-    if self.memory_versions < 0:
-      self.fail("memory_versions", "must be >= 0")
+    if self.memory_versions < 1:
+      self.fail("memory_versions", "must be >= 1")
     if self.write_dtype not in ("", "master"):
       check_dtype(self.BLOCK, "write_dtype", self.write_dtype)

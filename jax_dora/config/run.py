@@ -98,10 +98,6 @@ class RunConfig(ConfigBlock):
     dtype = w or self.rollout.param_dtype or self.model.param_dtype
     return None if dtype == self.model.param_dtype else dtype
 
-  @property
-  def snapshot_memory_versions(self) -> int:
-    return self.snapshots.memory_versions or self.rollout.max_versions + 1
-
   def __post_init__(self):
     choice(self.BLOCK, "mode", self.mode, tuple(MODES))
     choice(self.BLOCK, "role", self.role, ROLES)

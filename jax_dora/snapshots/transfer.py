@@ -15,8 +15,8 @@ What the installed JAX supports (found out on the 2-core CPU, jax 0.10.2):
 process moves the bytes; a pull cannot reshard: the puller's shardings must
 have the offer's layout (the same mesh shape and partition specs; other
 devices are fine), otherwise the transfer fails ("Async transfer object was
-deleted before transfers completed"). So the learner first reshards its copy
-onto ``tensor_parallel`` of its own devices in the server's layout
+deleted before transfers completed"). So the learner first stages its copy
+(through the host) on ``tensor_parallel`` of its own devices in the server's layout
 (``EnginePlacement``'s specs), and the server pulls onto ``tensor_parallel``
 of its devices and spreads the result over the rest of its mesh (its
 ``slots`` axis replicates parameters). On TPU/GPU the same API moves the
@@ -93,7 +93,10 @@ class TransferOffers:
   def offer(self, version: int, tensor_parallel: int) -> dict[str, Any]:
     """Stages ``version`` in the servers' layout and returns what ``LoadVersion`` carries."""
     params, metadata = self.memory.get(version)
-    staged = jax.device_put(params, self._layout(int(tensor_parallel)))
+    # Through the host: a direct device_put from the learner's mesh onto another device set
+    # failed inside JAX in a long-lived process (an array reporting 8 shards for a 4-device
+    # sharding, fresh-clone CI 12-07), and the copy is what a file would cost minus the disk.
+    staged = jax.device_put(jax.device_get(params), self._layout(int(tensor_parallel)))
     with self._lock:
       uid = next(self._ids)
       self._server.await_pull(uid, staged)
