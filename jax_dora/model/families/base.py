@@ -347,8 +347,9 @@ def moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       router_aux_loss_coef=cfg.router_aux_loss_coef)
 
 
-def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-  out: dict[str, Any] = dict(
+def shape_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The ``config.json`` shape fields every family writes alike."""
+  return dict(
       vocab_size=cfg.vocab_size,
       hidden_size=cfg.d_model,
       num_hidden_layers=cfg.n_layers,
@@ -358,6 +359,12 @@ def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       intermediate_size=cfg.d_ff,
       rms_norm_eps=cfg.norm_eps,
       tie_word_embeddings=cfg.tie_embeddings,
+  )
+
+
+def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  out: dict[str, Any] = dict(
+      shape_to_hf(cfg),
       hidden_act="silu",
       max_position_embeddings=max(cfg.max_seq_len, cfg.rope_original_max_len
                                   if cfg.rope_scaling else cfg.max_seq_len),
@@ -436,15 +443,7 @@ def gemma_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "a Gemma checkpoint has sandwich norms with 1 + w scales, scaled embeddings, GeGLU,"
         " q/k/v/o biases together or not at all, and no experts")
   return dict(
-      vocab_size=cfg.vocab_size,
-      hidden_size=cfg.d_model,
-      num_hidden_layers=cfg.n_layers,
-      num_attention_heads=cfg.n_heads,
-      num_key_value_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim,
-      intermediate_size=cfg.d_ff,
-      rms_norm_eps=cfg.norm_eps,
-      tie_word_embeddings=cfg.tie_embeddings,
+      shape_to_hf(cfg),
       attention_bias=cfg.qkv_bias,
       hidden_activation=GEMMA_ACTIVATIONS[0],
       # transformers' strict config wants an int (every released Gemma's is)
