@@ -69,6 +69,22 @@ def _copy(params: PyTree, dtype) -> PyTree:
   return jax.tree.map(one, params)
 
 
+def place_verified(tree: PyTree, target: PyTree, metadata: dict[str, Any], what: str) -> PyTree:
+  """``tree`` cast and copied onto ``target``'s dtypes and shardings, then checked against
+  the checksum record in ``metadata`` (``SnapshotIntegrityError`` naming ``what``): the one
+  placement both in-memory paths (a held copy, a pulled offer) use."""
+  placed = jax.device_put(
+      jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype), tree, target),
+      jax.tree.map(lambda t: t.sharding, target))
+  tables = metadata.get("checksums")
+  if tables:
+    problem, _ = checksum.first_mismatch(checksum.checksums(placed), tables)
+    if problem is not None:
+      raise SnapshotIntegrityError(f"{what} does not hold the parameters its publisher recorded:"
+                                   f" {problem}. Refusing to load it.")
+  return placed
+
+
 class MemorySnapshots:
   """The newest ``keep`` versions, each a params tree on the learner's devices plus its metadata.
 
@@ -131,20 +147,12 @@ class MemorySnapshots:
     if incarnation is not None and found != incarnation:
       raise SnapshotNotFoundError(
           f"in-memory version {version} belongs to run incarnation {found!r}, not {incarnation!r}")
-    if target is None:
-      placed = params
-    else:
-      placed = jax.device_put(
-          jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype), params, target),
-          jax.tree.map(lambda t: t.sharding, target))
-    tables = metadata.get("checksums")
-    if tables:
-      problem, _ = checksum.first_mismatch(checksum.checksums(placed), tables)
-      if problem is not None:
-        self.integrity_failures += 1
-        raise SnapshotIntegrityError(
-            f"in-memory version {version} does not hold the parameters its publisher recorded:"
-            f" {problem}. Refusing to load it.")
+    try:
+      placed = place_verified(params, params if target is None else target, metadata,
+                              f"in-memory version {version}")
+    except SnapshotIntegrityError:
+      self.integrity_failures += 1
+      raise
     self.loads += 1
     return placed, dict(metadata)
 

@@ -39,9 +39,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jax_dora.snapshots import checksum
-from jax_dora.snapshots.memory import MemorySnapshots
-from jax_dora.snapshots.store import SnapshotIntegrityError, SnapshotNotFoundError
+from jax_dora.snapshots.memory import MemorySnapshots, place_verified
+from jax_dora.snapshots.store import SnapshotNotFoundError
 
 _log = logging.getLogger(__name__)
 
@@ -162,14 +161,6 @@ class TransferSource:
                              sharding=_sub_mesh_sharding(t.sharding, sub)) for t in leaves])
     connection = self._local_server(self.host).connect(self.offer["address"])
     pulled = connection.pull(int(self.offer["uuid"]), pull_target)
-    placed = jax.device_put(
-        jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype), pulled, target),
-        jax.tree.map(lambda t: t.sharding, target))
-    tables = self.metadata.get("checksums")
-    if tables:
-      problem, _ = checksum.first_mismatch(checksum.checksums(placed), tables)
-      if problem is not None:
-        raise SnapshotIntegrityError(
-            f"version {self.version} pulled from {self.offer['address']} does not hold the"
-            f" parameters its publisher recorded: {problem}. Refusing to load it.")
+    placed = place_verified(pulled, target, self.metadata,
+                            f"version {self.version} pulled from {self.offer['address']}")
     return placed, dict(self.metadata)
