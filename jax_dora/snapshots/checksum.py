@@ -17,11 +17,22 @@ does not depend on the sharding or the reduction order: the learner's
 sharded tree, a server's differently sharded copy and a host copy give the
 same numbers. One jitted program over the whole tree, a few KB back to the
 host: about one read of the parameters on their devices.
+
+Two implementations of the one definition, chosen per leaf by where it lives:
+accelerator (and any non-host) arrays run the jitted program; numpy arrays and
+jax arrays on CPU devices (host memory) are summed by numpy on zero-copy views
+of their shards, in threads. Why: XLA:CPU runs integer reductions (and any
+integer bit work fused into one) at ~1.6 GiB/s per thread while numpy's run at
+~7.5 GiB/s, and checksums were most of a version's sync time on CPU (measured,
+2-core CPU, 12-07: a 0.5B bfloat16 tree on 2 devices, 0.73 s jitted). The
+tests hold both against each other and against a flat hand computation.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from typing import Any
 
 import jax
@@ -32,6 +43,7 @@ import numpy as np
 LeafSum = tuple[str, int, int]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+_HOST_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 def _leaf_sums(x: jax.Array) -> jax.Array:
@@ -74,6 +86,69 @@ def leaf_paths(tree: Any) -> list[tuple[str, Any]]:
   return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf) for path, leaf in flat]
 
 
+def _host_summable(leaf: Any, cast: str | None) -> bool:
+  """Whether numpy can sum ``leaf`` where it is: host memory, no cast to apply."""
+  dtype = np.dtype(leaf.dtype)
+  if dtype.itemsize not in (1, 2, 4) or (cast is not None and dtype.name != cast):
+    return False
+  if isinstance(leaf, np.ndarray):
+    return True
+  return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+          and all(d.platform == "cpu" for d in leaf.sharding.device_set))
+
+
+def _host_shard_sums(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...]
+                     ) -> tuple[int, int]:
+  """``(bit sum, sum of bits x global row-major flat index)`` mod 2^32 of one shard.
+
+  The same marginal identity as ``_leaf_sums``, with each axis's positions
+  offset by where the shard starts in the global array: two passes over the
+  shard (its sums along the last axis, and over every other axis).
+  """
+  if not data.flags.c_contiguous:  # (ascontiguousarray would also make a 0-d array 1-d)
+    data = np.ascontiguousarray(data)
+  bits = data.view(_HOST_UINT[data.dtype.itemsize])
+  if bits.ndim == 0:
+    return int(bits) % 2 ** 32, 0
+  u32 = np.uint32
+  rows = bits.sum(axis=-1, dtype=u32)
+  last = bits.reshape(-1, bits.shape[-1]).sum(axis=0, dtype=u32)
+  total = int(last.sum(dtype=np.uint64)) % 2 ** 32
+  index_sum, stride = 0, 1
+  for axis in reversed(range(bits.ndim)):
+    if axis == bits.ndim - 1:
+      marginal = last
+    else:
+      others = tuple(a for a in range(bits.ndim - 1) if a != axis)
+      marginal = rows.sum(axis=others, dtype=u32) if others else rows
+    start = (index[axis].start or 0) if axis < len(index) else 0  # a short index: whole axes
+    positions = np.arange(start, start + marginal.shape[0], dtype=np.uint64) % 2 ** 32
+    weighted = int((positions * marginal.astype(np.uint64) % 2 ** 32).sum(dtype=np.uint64))
+    index_sum = (index_sum + stride * weighted) % 2 ** 32
+    stride = stride * shape[axis] % 2 ** 32
+  return total, index_sum
+
+
+def _host_sums(leaves: list[Any]) -> list[tuple[int, int]]:
+  """``_leaf_sums`` of host-resident leaves, shards summed in parallel threads (numpy
+  releases the GIL in reductions)."""
+  tasks: list[tuple[int, Any, tuple[slice, ...], tuple[int, ...]]] = []
+  for i, leaf in enumerate(leaves):
+    if isinstance(leaf, np.ndarray):
+      tasks.append((i, leaf, tuple(slice(0, n) for n in leaf.shape), leaf.shape))
+      continue
+    for shard in leaf.addressable_shards:
+      if shard.replica_id == 0:  # each element once, whatever the replication
+        tasks.append((i, shard.data, shard.index, leaf.shape))
+  workers = max(1, min(len(tasks), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    parts = list(pool.map(lambda t: (t[0], _host_shard_sums(np.asarray(t[1]), t[2], t[3])), tasks))
+  out = [(0, 0)] * len(leaves)
+  for i, (total, index_sum) in parts:
+    out[i] = ((out[i][0] + total) % 2 ** 32, (out[i][1] + index_sum) % 2 ** 32)
+  return [(total, (2 * index_sum + total) % 2 ** 32) for total, index_sum in out]
+
+
 def checksums(tree: Any, cast: Any = None) -> dict[str, LeafSum]:
   """``path -> (dtype, sum, weighted sum)`` of every leaf (cast to ``cast`` first if given).
 
@@ -82,14 +157,20 @@ def checksums(tree: Any, cast: Any = None) -> dict[str, LeafSum]:
   pairs = leaf_paths(tree)
   if not pairs:
     return {}
-  leaves = [jnp.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf for _, leaf in pairs]
   cast = None if cast is None else jnp.dtype(cast).name
-  out = _tree_sums(leaves, cast)
-  if not out.is_fully_addressable:  # multi-process: every process holds the replicated sums
-    out = out.addressable_data(0)
-  sums = np.asarray(jax.device_get(out))
-  return {path: (cast or jnp.dtype(x.dtype).name, int(s[0]), int(s[1]))
-          for (path, _), x, s in zip(pairs, leaves, sums)}
+  leaves = [leaf if isinstance(leaf, (jax.Array, np.ndarray)) else np.asarray(leaf)
+            for _, leaf in pairs]
+  on_host = [i for i, leaf in enumerate(leaves) if _host_summable(leaf, cast)]
+  on_device = sorted(set(range(len(leaves))) - set(on_host))
+  sums: dict[int, tuple[int, int]] = dict(zip(on_host, _host_sums([leaves[i] for i in on_host])))
+  if on_device:
+    out = _tree_sums([jnp.asarray(leaves[i]) for i in on_device], cast)
+    if not out.is_fully_addressable:  # multi-process: every process holds the replicated sums
+      out = out.addressable_data(0)
+    for i, s in zip(on_device, np.asarray(jax.device_get(out))):
+      sums[i] = (int(s[0]), int(s[1]))
+  return {path: (cast or jnp.dtype(leaves[i].dtype).name, *sums[i])
+          for i, (path, _) in enumerate(pairs)}
 
 
 def first_mismatch(got: dict[str, LeafSum], tables: dict[str, Any]) -> tuple[str | None, int]:
