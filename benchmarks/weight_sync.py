@@ -27,14 +27,22 @@ versions/s = cycles / their total time. In the same run, the floors each
 figure is a fraction of: this machine's memory-copy bandwidth (``np.copyto``
 of 1 GiB) and disk write bandwidth (1 GiB written and ``fsync``-ed into the
 snapshot directory's filesystem), so "publish at 0.4 of the disk floor" means
-the bytes written would take 0.4x as long at raw disk speed. Each (shape,
+the bytes written would take 0.4x as long at raw disk speed; beside them, what
+JAX itself moves between two devices (``jax.device_put`` of 1 GiB into a new
+buffer), the floor of any in-memory transport built on JAX. Each (shape,
 transport, servers) runs in its own process (``--one``), so one run's buffers
-and caches never inflate the next's memory or times.
+and caches never inflate the next's memory or times; freed host memory is handed
+back to the OS after each cycle (``malloc_trim``), and servers compute in
+bfloat16 (a float32-compute decode makes a float32 temporary of every weight,
+which at 1.5B does not fit beside the rest on 24 GB). A case killed (out of
+memory) is reported as such and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import dataclasses
 import gc
 import json
@@ -98,6 +106,26 @@ def disk_write_gib_s(directory: str, size: int = GIB) -> float:
   return size / best / GIB
 
 
+def device_copy_gib_s(size: int = GIB) -> float:
+  """``jax.device_put`` of ``size`` bytes from one device to another, into a new buffer."""
+  src, dst = jax.devices()[0], jax.devices()[1] if len(jax.devices()) > 1 else jax.devices()[0]
+  x = _block(jax.device_put(np.ones(size // 4, np.float32), src))
+  best = min(_timed(lambda: _block(jax.device_put(x, dst))) for _ in range(3))
+  del x
+  return size / best / GIB
+
+
+def _release_memory() -> None:
+  """Frees what Python no longer references and hands freed heap pages back to the OS."""
+  gc.collect()
+  libc = ctypes.util.find_library("c")
+  if libc:
+    try:
+      ctypes.CDLL(libc).malloc_trim(0)
+    except AttributeError:  # not glibc
+      pass
+
+
 def _timed(fn) -> float:
   t0 = time.perf_counter()
   fn()
@@ -144,6 +172,7 @@ def cycle(transport: str, publisher, reader, engines, params, version: int) -> d
   out["servable_s"] = out["publish_s"] + out["load_all_s"]
   out["to_first_decode_s"] = out["servable_s"] + out["first_decode_s"]
   del loaded, first
+  _release_memory()
   return out
 
 
@@ -158,7 +187,7 @@ def run_transport(transport: str, cfg: ModelConfig, params, n_servers: int, vers
     reader = TieredReader(publisher.memory, SnapshotReader(directory))
   else:
     publisher, reader = disk, SnapshotReader(directory)
-  server_cfg = dataclasses.replace(cfg, param_dtype="bfloat16", dtype="float32")
+  server_cfg = dataclasses.replace(cfg, param_dtype="bfloat16", dtype="bfloat16")
   engines = [DoraEngine(server_cfg, TOK, num_slots=1, max_prefill_length=8, temperature=1.0,
                         devices=jax.devices()[4 + 2 * i: 6 + 2 * i], tensor_parallel=2)
              for i in range(n_servers)]
@@ -207,6 +236,8 @@ def _in_subprocess(spec: str, versions: int, root: str) -> dict:
   proc = subprocess.run(
       [sys.executable, os.path.abspath(__file__), f"--one={spec}", f"--versions={versions}",
        f"--dir={root}"], capture_output=True, text=True, check=False)
+  if proc.returncode in (-9, 137):
+    return {"failed": "killed (SIGKILL: out of memory on this machine)"}
   if proc.returncode != 0:
     raise RuntimeError(f"{spec} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -235,9 +266,11 @@ def main(argv=None) -> dict:
   floor_size = 64 * 2 ** 20 if a.small else GIB
   out: dict = {"machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
                "memcpy_gib_s": memcpy_gib_s(floor_size),
-               "disk_write_gib_s": disk_write_gib_s(root, floor_size), "shapes": {}}
+               "disk_write_gib_s": disk_write_gib_s(root, floor_size),
+               "device_copy_gib_s": device_copy_gib_s(floor_size), "shapes": {}}
   print(f"floors: memory copy {out['memcpy_gib_s']:.2f} GiB/s, disk write (fsync)"
-        f" {out['disk_write_gib_s']:.2f} GiB/s; {out['machine']}", flush=True)
+        f" {out['disk_write_gib_s']:.2f} GiB/s, jax.device_put between devices"
+        f" {out['device_copy_gib_s']:.2f} GiB/s; {out['machine']}", flush=True)
   for shape in shapes:
     if a.no_parts:
       cfg = ModelConfig(max_seq_len=32, tie_embeddings=True, **SHAPES[shape])
@@ -249,13 +282,18 @@ def main(argv=None) -> dict:
     for transport in a.transports.split(","):
       for servers in (int(s) for s in a.servers.split(",")):
         r = _in_subprocess(f"{shape}:{transport}:{servers}", versions, root)
+        res["runs"][f"{transport}/{servers}"] = r
+        if "failed" in r:
+          print(f"{shape} {transport} {servers} server(s): {r['failed']}", flush=True)
+          continue
         written = 4 * n if transport == "orbax" else 2 * n
         r["publish_x_disk_floor"] = r["publish_s"] / (written / GIB / out["disk_write_gib_s"])
         # The bfloat16 bytes a version must at least move: the learner-side cast copy plus
         # one copy per server, at memory-copy speed.
         moved = 2 * n * (1 + servers)
         r["servable_x_memcpy_floor"] = r["servable_s"] / (moved / GIB / out["memcpy_gib_s"])
-        res["runs"][f"{transport}/{servers}"] = r
+        r["servable_x_device_copy_floor"] = r["servable_s"] / (
+            moved / GIB / out["device_copy_gib_s"])
         print(f"{shape} ({n / 1e9:.2f}B params) {transport:<20} {servers} server(s):"
               f" publish {r['publish_s']:.2f}s, load {r['load_all_s']:.2f}s, first decode"
               f" {r['first_decode_s']:.2f}s -> {r['to_first_decode_s']:.2f}s;"
@@ -273,16 +311,20 @@ def main(argv=None) -> dict:
 def _table(out: dict) -> None:
   print("| shape | transport | servers | publish | load (all servers) | first decode | learner"
         " step end -> first decode | x today's orbax | publish / disk floor | servable / memcpy"
-        " floor | versions/s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+        " floor | servable / device_put floor | versions/s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for shape, res in out["shapes"].items():
     for key, r in res["runs"].items():
       transport, servers = key.split("/")
-      base = res["runs"].get(f"orbax/{servers}", r)["to_first_decode_s"]
+      if "failed" in r:
+        print(f"| {shape} ({res['params'] / 1e9:.2f}B) | {transport} | {servers} | {r['failed']} |")
+        continue
+      base = res["runs"].get(f"orbax/{servers}", {}).get("to_first_decode_s", float("nan"))
       print(f"| {shape} ({res['params'] / 1e9:.2f}B) | {transport} | {servers} |"
             f" {r['publish_s']:.2f} s | {r['load_all_s']:.2f} s | {r['first_decode_s']:.2f} s |"
             f" {r['to_first_decode_s']:.2f} s | {base / r['to_first_decode_s']:.1f}x faster |"
             f" {r['publish_x_disk_floor']:.1f}x | {r['servable_x_memcpy_floor']:.1f}x |"
+            f" {r['servable_x_device_copy_floor']:.1f}x |"
             f" {r['versions_per_s']:.2f} |")
   for shape, res in out["shapes"].items():
     pr = res["parts"]

@@ -310,6 +310,9 @@ class TransportPublisher:
         _log.error("durable snapshot of version %d failed: %s", version, e)
         self._error = e
       finally:
+        # Drop this thread's reference now: held until the next write, the version's
+        # copy (a full parameter tree in accelerator memory) would outlive its eviction.
+        del params, metadata, tables
         with self._cv:
           self._writing = False
           self._cv.notify_all()
