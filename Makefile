@@ -7,7 +7,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 3
 .PHONY: test test-slow train bench docs wheel
 
 test:
-	$(PY) -m pytest -q -x --timeout=900 --durations=30 tests
+	$(PY) -m pytest -q -x --timeout=900 --durations=60 tests
 
 test-slow:
 	$(PY) -m pytest -q -m slow --timeout=3600 tests
