@@ -13,8 +13,8 @@ transport, this times, after one untimed warm cycle, ``--versions`` cycles of:
 
 * **publish**: the learner's side, from its parameters to "servable"
   (``orbax``: ``SnapshotPublisher.publish`` of the float32 master weights,
-  today's default before issue 40; ``orbax_rollout_dtype``: the same writing
-  the servers' bfloat16; ``device``: ``TransportPublisher.publish`` into
+  zstd-compressed, the default before issue 40; ``orbax_rollout_dtype``: the
+  servers' bfloat16 written uncompressed (today's Orbax path); ``device``: ``TransportPublisher.publish`` into
   memory, its Orbax write off the path);
 * **load**: each server's restore / copy onto its own 2 devices in bfloat16,
   checksum verification included (a second server copies the first one's
@@ -180,8 +180,9 @@ def run_transport(transport: str, cfg: ModelConfig, params, n_servers: int, vers
                   root: str) -> dict:
   directory = os.path.join(root, f"{transport}-{n_servers}")
   write = None if transport == "orbax" else "bfloat16"
+  # "orbax" is the path before issue 40: float32 written, Orbax's zstd compression on.
   disk = SnapshotPublisher(directory, max_to_keep=2, checksum_casts=("bfloat16",),
-                           write_dtype=write)
+                           write_dtype=write, compress=transport == "orbax")
   if transport == "device":
     publisher = TransportPublisher(disk, MemorySnapshots(keep=1), durable_every=0)
     reader = TieredReader(publisher.memory, SnapshotReader(directory))

@@ -561,7 +561,8 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
            if cfg.rollout.param_dtype and cfg.rollout.param_dtype != cfg.model.param_dtype else ())
   publisher: Any = SnapshotPublisher(
       paths.snapshots, max_to_keep=cfg.snapshots.max_to_keep or None, processes=procs,
-      incarnation=incarnation, checksum_casts=casts, write_dtype=cfg.snapshot_write_dtype)
+      incarnation=incarnation, checksum_casts=casts, write_dtype=cfg.snapshot_write_dtype,
+      compress=cfg.snapshots.compress)
   source: Any = None
   offers = None
   if cfg.snapshot_transport in ("device", "transfer_server"):

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_colab_notebook_runs(tmp_path, monkeypatch):
-  monkeypatch.setenv("JAX_DORA_NOTEBOOK_BUDGET_S", "25")
+  monkeypatch.setenv("JAX_DORA_NOTEBOOK_BUDGET_S", "15")
   monkeypatch.setenv("JAX_DORA_NOTEBOOK_PRECOMPILE", "0")
   monkeypatch.setenv("JAX_DORA_NOTEBOOK_EVAL_PROMPTS", "16")
   monkeypatch.setenv("JAX_DORA_NOTEBOOK_OUT", str(tmp_path))

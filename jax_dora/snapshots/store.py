@@ -145,6 +145,7 @@ class SnapshotPublisher:
       incarnation: str | None = None,
       checksum_casts: Collection[str] = (),
       write_dtype: str | None = None,
+      compress: bool = False,
   ):
     """Opens (creating if needed) the snapshot directory.
 
@@ -169,6 +170,10 @@ class SnapshotPublisher:
         half the bytes of float32 master weights for bfloat16 servers.
         ``None`` writes the tree as handed over. The version's checksums are
         then those of the written tree.
+      compress: zstd-compress the written chunks (Orbax's default). Off by
+        default: a version is written every step and read once per server,
+        and weights compress by ~22% at ~1.7x the write time on CPU
+        (``orbax_roles.standard_handler``). Readers decode either.
     """
     self.incarnation = incarnation
     self.checksum_casts = tuple(checksum_casts)
@@ -183,6 +188,7 @@ class SnapshotPublisher:
         multiprocessing_options(processes, 'jax_dora_snapshots'),
         _PARAMS,
         _METADATA,
+        compress=compress,
     )
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
