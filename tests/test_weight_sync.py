@@ -14,6 +14,7 @@ import dataclasses
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -90,6 +91,28 @@ def test_device_transport_delivers_the_learners_bytes_with_two_live_versions(tmp
   assert audit.check(4) is None
   audit.remember(3, learner[4])  # the wrong parameters for version 3
   assert audit.check(3) is not None
+  pub.close()
+
+
+def test_a_detached_copy_is_served_as_it_is(tmp_path):
+  """The asynchronous modes' path: ``detach`` makes the served copy (bfloat16, on the learner's
+  devices, new buffers), ``publish(owned=True)`` serves exactly those buffers (no second
+  copy), and a server loads the learner's bytes from them, verified."""
+  disk = SnapshotPublisher(tmp_path / "snaps", max_to_keep=None, write_dtype="bfloat16")
+  pub = TransportPublisher(disk, MemorySnapshots(keep=2), durable_every=0)
+  learner = _learner_params(7)
+  served = pub.detach(learner)
+  assert all(x.dtype == jnp.bfloat16 and x.sharding.is_equivalent_to(y.sharding, x.ndim)
+             for x, y in zip(jax.tree.leaves(served), jax.tree.leaves(learner)))
+  assert all(a.data.unsafe_buffer_pointer() != b.data.unsafe_buffer_pointer()
+             for x, y in zip(jax.tree.leaves(served), jax.tree.leaves(learner))
+             for a, b in zip(x.addressable_shards, y.addressable_shards))
+  pub.publish(1, served, {"step": 1}, owned=True)
+  held, _ = pub.memory.get(1)
+  assert all(a is b for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(served)))
+  reader = TieredReader(pub.memory, SnapshotReader(tmp_path / "snaps"))
+  _assert_bytes_equal(_host(_engine("bfloat16").load_params(reader, 1)),
+                      _host(learner, ml_dtypes.bfloat16))
   pub.close()
 
 

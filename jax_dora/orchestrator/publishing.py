@@ -33,27 +33,32 @@ class BackgroundPublisher:
     self._on_published = on_published
     self._spawn = spawn
     self._on_error = on_error
-    self._next: tuple[int, Any] | None = None
+    self._next: tuple[int, Any, bool] | None = None
     self._task: asyncio.Task | None = None
     self.published_version = int(initial_version)
     self.skipped = 0  # versions coalesced away
     self.last_write_s = 0.0
 
-  def submit(self, version: int, params: Any) -> None:
-    """Queues ``version`` (a detached params copy); supersedes a queued one."""
+  def submit(self, version: int, params: Any, owned: bool = False) -> None:
+    """Queues ``version`` (a detached params copy); supersedes a queued one.
+
+    ``owned``: ``params`` is the publisher's own served copy (``TransportPublisher.detach``),
+    passed on as such so it is not copied again."""
     if self._next is not None:
       self.skipped += 1
-    self._next = (version, params)
+    self._next = (version, params, owned)
     if self._task is None or self._task.done():
       self._task = self._spawn(self._loop())
 
   async def _loop(self) -> None:
     try:
       while self._next is not None:
-        version, params = self._next
+        version, params, owned = self._next
         self._next = None
         t0 = time.time()
-        await asyncio.to_thread(self._publisher.publish, version, params, {"step": version})
+        extra = {"owned": True} if owned else {}
+        await asyncio.to_thread(self._publisher.publish, version, params, {"step": version},
+                                **extra)
         self.published_version = version
         self.last_write_s = time.time() - t0
         await self._on_published(version)

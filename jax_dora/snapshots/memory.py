@@ -259,13 +259,26 @@ class TransportPublisher:
   def last_version(self) -> int | None:
     return self._last_version
 
+  def detach(self, params: PyTree) -> PyTree:
+    """The copy of ``params`` a version is served from (write dtype, learner's devices),
+    made now, while the caller holds its parameters still.
+
+    For the asynchronous modes: the learner's next step donates its buffers, so
+    the orchestrator must copy before training on; copying straight into the
+    served form and publishing it with ``owned=True`` makes that copy the only
+    one (a float32 copy then a cast copy before; and the learner's path now
+    writes the write dtype's bytes, half of float32's for bfloat16 servers).
+    """
+    return jax.block_until_ready(cast_copy(params, self.disk.write_dtype))
+
   def publish(self, version: int, params: PyTree, metadata: dict[str, Any] | None = None,
-              durable: bool | None = None) -> None:
+              durable: bool | None = None, owned: bool = False) -> None:
     """Makes ``version`` servable from memory now; queues its durable write if due.
 
     The served copy is cast to the write dtype on the learner's devices (what
     servers hold) and is also what the durable write saves, so a version costs
-    one copy of the parameters, not two.
+    one copy of the parameters, not two. ``owned``: ``params`` is already that
+    copy (from ``detach``), held by nobody else; it is served as it is.
     """
     self._raise_writer_error()
     version = int(version)
@@ -273,7 +286,7 @@ class TransportPublisher:
       raise ValueError(f"snapshot versions must strictly increase: got {version} after"
                        f" {self._last_version}")
     metadata = dict(metadata or {})
-    served = cast_copy(params, self.disk.write_dtype)
+    served = params if owned else cast_copy(params, self.disk.write_dtype)
     tables = self.disk.checksum_record(served)
     full = dict(metadata, checksums=tables)
     if self.incarnation is not None:
