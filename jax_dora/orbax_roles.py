@@ -116,7 +116,7 @@ def standard_handler(mp: ocp.options.MultiprocessingOptions | None = None,
   does. The handler keeps its type, so every reader (and Orbax's recorded
   handler name) is unchanged, and the on-disk chunks say how they are encoded:
   readers decode either. If Orbax ever drops ``_impl``, this raises instead of
-  silently compressing (the snapshot tests check the written metadata).
+  silently compressing (a snapshot test checks the bytes written either way).
   """
   kwargs = {} if mp is None else dict(multiprocessing_options=mp)
   handler = ocp.StandardCheckpointHandler(**kwargs)
