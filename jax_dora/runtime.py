@@ -481,6 +481,16 @@ def check_run_config(cfg: ml_collections.ConfigDict | RunConfig) -> RunConfig:
   return cfg
 
 
+def _durable_phrase(every: int) -> str:
+  """``snapshots.durable_every`` in words for the start-up log ("every version", "every 4th")."""
+  if every <= 0:
+    return "the first version only"
+  if every == 1:
+    return "every version"
+  suffix = "th" if 10 <= every % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(every % 10, "th")
+  return f"every {every}{suffix} version"
+
+
 def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
   """Builds every part of a training run from ``cfg`` (nothing trains yet).
 
@@ -576,8 +586,7 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
                               cfg.snapshots.transfer_host)
     log.info("policy versions reach the servers in memory (snapshots.transport=%s%s); Orbax"
              " gets %s", cfg.snapshot_transport, f", offered at {offers.address}" if offers else "",
-             f"every {cfg.snapshots.durable_every}th version" if cfg.snapshots.durable_every
-             else "the first version only")
+             _durable_phrase(cfg.snapshots.durable_every))
   version = learner.step
   # Every version from the start one on is republished by this incarnation:
   # the directory may hold a killed run's later versions, or another run's
