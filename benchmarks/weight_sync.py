@@ -15,10 +15,15 @@ transport, this times, after one untimed warm cycle, ``--versions`` cycles of:
   (``orbax``: ``SnapshotPublisher.publish`` of the float32 master weights,
   zstd-compressed, the default before issue 40; ``orbax_rollout_dtype``: the
   servers' bfloat16 written uncompressed (today's Orbax path); ``device``: ``TransportPublisher.publish`` into
-  memory, its Orbax write off the path);
+  memory, its Orbax write off the path; ``transfer_server``: the same, plus
+  ``TransferOffers.offer`` staging the version in the servers' layout and
+  offering it on JAX's transfer server, once per server, as ``LoadVersion`` does);
 * **load**: each server's restore / copy onto its own 2 devices in bfloat16,
   checksum verification included (a second server copies the first one's
-  tree, as embedded servers share one read: ``SharedSnapshotLoader``);
+  tree, as embedded servers share one read: ``SharedSnapshotLoader``; under
+  ``transfer_server`` every server is a process of its own that pulls its offer
+  over loopback, ``TransferSource``, the pod layout; the servers pull one after
+  another, so "load" is their sum);
 * **first decode**: one decode step of one slot on the new version;
 
 and, measured alone on the same trees, the parts: device -> host copy,
@@ -68,6 +73,7 @@ from jax_dora.model import CharTokenizer, ModelConfig, abstract_params, init_par
 from jax_dora.rollout.engine import DoraEngine, MultiVersionParams  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_dora.snapshots import SnapshotPublisher, SnapshotReader, checksum  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from jax_dora.snapshots.memory import MemorySnapshots, TieredReader, TransportPublisher  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax_dora.snapshots.transfer import TransferOffers, TransferSource  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 GIB = 2 ** 30
 TOK = CharTokenizer()
@@ -81,7 +87,7 @@ SHAPES = {
     "1.5b": dict(d_model=1536, n_layers=28, n_heads=12, n_kv_heads=2, d_ff=8960,
                  vocab_size=151_936),
 }
-TRANSPORTS = ("orbax", "orbax_rollout_dtype", "device")
+TRANSPORTS = ("orbax", "orbax_rollout_dtype", "device", "transfer_server")
 
 
 def memcpy_gib_s(size: int = GIB) -> float:
@@ -124,6 +130,18 @@ def _release_memory() -> None:
       ctypes.CDLL(libc).malloc_trim(0)
     except AttributeError:  # not glibc
       pass
+
+
+def _peak_rss_gib() -> float:
+  """This process's peak resident memory (``VmHWM``), GiB; NaN where /proc has none."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024 / GIB
+  except OSError:
+    pass
+  return float("nan")
 
 
 def _timed(fn) -> float:
@@ -176,9 +194,118 @@ def cycle(transport: str, publisher, reader, engines, params, version: int) -> d
   return out
 
 
+def server_engine(cfg: ModelConfig, index: int) -> DoraEngine:
+  """A one-slot bfloat16 server on 2 devices (tensor parallelism 2), the ``index``-th pair."""
+  server_cfg = dataclasses.replace(cfg, param_dtype="bfloat16", dtype="bfloat16")
+  return DoraEngine(server_cfg, TOK, num_slots=1, max_prefill_length=8, temperature=1.0,
+                    devices=jax.devices()[4 + 2 * index: 6 + 2 * index], tensor_parallel=2)
+
+
+def serve_pulls(shape: str) -> None:
+  """A transfer-server puller process (``--serve``): one JSON offer per stdin line, one JSON
+  line of timings back (pull + verify, first decode) per offer."""
+  cfg = ModelConfig(max_seq_len=32, tie_embeddings=True, **SHAPES[shape])
+  engine = server_engine(cfg, 0)
+  print(json.dumps({"ready": True}), flush=True)
+  for line in sys.stdin:
+    msg = json.loads(line)
+    t0 = time.perf_counter()
+    first = _block(engine.load_params(TransferSource(msg["offer"], msg["version"]),
+                                      msg["version"]))
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    first_decode(engine, first, msg["version"])
+    print(json.dumps({"load_s": load_s, "first_decode_s": time.perf_counter() - t1,
+                      "peak_rss_gib": _peak_rss_gib()}), flush=True)
+    del first
+    _release_memory()
+
+
+class _Pullers:
+  """``n`` puller processes (``serve_pulls``), each a server with its own JAX runtime."""
+
+  def __init__(self, shape: str, n: int):
+    self.procs = [subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), f"--serve={shape}"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    for p in self.procs:
+      self._reply(p)
+
+  @staticmethod
+  def _reply(proc) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"a puller process ended (exit code {proc.wait()})")
+    return json.loads(line)
+
+  def pull(self, index: int, offer: dict, version: int) -> dict:
+    proc = self.procs[index]
+    proc.stdin.write(json.dumps({"offer": offer, "version": version}) + "\n")
+    proc.stdin.flush()
+    return self._reply(proc)
+
+  def close(self) -> None:
+    for p in self.procs:
+      p.stdin.close()
+      p.wait(timeout=60)
+
+
+def transfer_cycle(publisher, offers, pullers: _Pullers, params, version: int
+                   ) -> dict[str, float]:
+  """One version through the transfer server: publish into memory, then per server an offer
+  (staged on the learner) and its pull (in the server's process), one server after another."""
+  out: dict[str, float] = {}
+  t0 = time.perf_counter()
+  publisher.publish(version, params, {"step": version})
+  out["publish_s"] = time.perf_counter() - t0
+  out["offer_s"] = out["load_all_s"] = 0.0
+  for i in range(len(pullers.procs)):
+    t1 = time.perf_counter()
+    offer = offers.offer(version, tensor_parallel=2)
+    out["offer_s"] += time.perf_counter() - t1
+    got = pullers.pull(i, offer, version)
+    out["load_all_s"] += time.perf_counter() - t1
+    if i == 0:
+      out["load_first_s"] = time.perf_counter() - t1
+      out["first_decode_s"] = got["first_decode_s"]
+    out["server_peak_rss_gib"] = max(out.get("server_peak_rss_gib", 0.0), got["peak_rss_gib"])
+  out["pull_s"] = out["load_all_s"] - out["offer_s"]
+  out["servable_s"] = out["publish_s"] + out["load_all_s"]
+  out["to_first_decode_s"] = out["servable_s"] + out["first_decode_s"]
+  _release_memory()
+  return out
+
+
+def run_transfer(shape: str, cfg: ModelConfig, params, n_servers: int, versions: int,
+                 root: str) -> dict:
+  directory = os.path.join(root, f"transfer_server-{n_servers}")
+  shutil.rmtree(directory, ignore_errors=True)  # a case killed earlier leaves its versions
+  disk = SnapshotPublisher(directory, max_to_keep=2, checksum_casts=("bfloat16",),
+                           write_dtype="bfloat16")
+  publisher = TransportPublisher(disk, MemorySnapshots(keep=1), durable_every=0)
+  offers = TransferOffers(publisher.memory, cfg, jax.devices()[:4], "127.0.0.1")
+  pullers = _Pullers(shape, n_servers)
+  try:
+    transfer_cycle(publisher, offers, pullers, params, 1)  # warm
+    rounds = []
+    t0 = time.perf_counter()
+    for v in range(2, 2 + versions):
+      rounds.append(transfer_cycle(publisher, offers, pullers, params, v))
+    total = time.perf_counter() - t0
+  finally:
+    pullers.close()
+    publisher.close()
+    shutil.rmtree(directory, ignore_errors=True)
+  med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+  med["versions_per_s"] = versions / total
+  med["peak_rss_gib"] = _peak_rss_gib()
+  return med
+
+
 def run_transport(transport: str, cfg: ModelConfig, params, n_servers: int, versions: int,
                   root: str) -> dict:
   directory = os.path.join(root, f"{transport}-{n_servers}")
+  shutil.rmtree(directory, ignore_errors=True)  # a case killed earlier leaves its versions
   write = None if transport == "orbax" else "bfloat16"
   # "orbax" is the path before issue 40: float32 written, Orbax's zstd compression on.
   disk = SnapshotPublisher(directory, max_to_keep=2, checksum_casts=("bfloat16",),
@@ -188,10 +315,7 @@ def run_transport(transport: str, cfg: ModelConfig, params, n_servers: int, vers
     reader = TieredReader(publisher.memory, SnapshotReader(directory))
   else:
     publisher, reader = disk, SnapshotReader(directory)
-  server_cfg = dataclasses.replace(cfg, param_dtype="bfloat16", dtype="bfloat16")
-  engines = [DoraEngine(server_cfg, TOK, num_slots=1, max_prefill_length=8, temperature=1.0,
-                        devices=jax.devices()[4 + 2 * i: 6 + 2 * i], tensor_parallel=2)
-             for i in range(n_servers)]
+  engines = [server_engine(cfg, i) for i in range(n_servers)]
   cycle(transport, publisher, reader, engines, params, 1)  # warm: compiles, first Orbax save
   rounds = []
   t0 = time.perf_counter()
@@ -203,6 +327,7 @@ def run_transport(transport: str, cfg: ModelConfig, params, n_servers: int, vers
   shutil.rmtree(directory, ignore_errors=True)
   med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
   med["versions_per_s"] = versions / total
+  med["peak_rss_gib"] = _peak_rss_gib()
   del engines
   gc.collect()
   return med
@@ -230,6 +355,8 @@ def one(spec: str, versions: int, root: str) -> dict:
   params = learner_params(cfg, 0)
   if transport == "parts":
     return {"params": sum(x.size for x in jax.tree.leaves(params)), **parts(cfg, params)}
+  if transport == "transfer_server":
+    return run_transfer(shape, cfg, params, int(rest[0]), versions, root)
   return run_transport(transport, cfg, params, int(rest[0]), versions, root)
 
 
@@ -255,10 +382,14 @@ def main(argv=None) -> dict:
   p.add_argument("--no_parts", action="store_true",
                  help="skip the parts (their host copy of the float32 tree does not fit 1.5B on 24 GB)")
   p.add_argument("--one", default="", help=argparse.SUPPRESS)  # SHAPE:TRANSPORT:SERVERS, JSON out
+  p.add_argument("--serve", default="", help=argparse.SUPPRESS)  # SHAPE: a transfer puller
   p.add_argument("--json", default="")
   a = p.parse_args(argv)
   root = a.dir or tempfile.mkdtemp(prefix="weight_sync_")
   os.makedirs(root, exist_ok=True)
+  if a.serve:
+    serve_pulls(a.serve)
+    return {}
   if a.one:
     print(json.dumps(one(a.one, a.versions, root)))
     return {}
