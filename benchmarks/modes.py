@@ -227,6 +227,13 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   cfg = json.loads((out / "config.json").read_text())
   trained = max(1, summary["steps"] * cfg["learner"]["groups_per_step"] * cfg["learner"]["group_size"])
   summary["reprefill_per_trajectory"] = summary["reprefill_tokens"] / trained
+  if per_traj:
+    # Trained turns/s (a turn: the first one plus one per tool call): trajectories/s
+    # depends on how many calls the policy being trained makes, turns/s much less.
+    batch = cfg["learner"]["groups_per_step"] * cfg["learner"]["group_size"]
+    turns = sum(batch * (1.0 + r.get("tools/calls_per_trajectory", 0.0)) for r in recs)
+    summary["turns_per_s"] = turns / max(summary.get("wall_time_s") or 0.0, 1e-9)
+  summary["reward_drop"] = reward_drop([r["reward_mean"] for r in recs])
   summary["held_kv_resumed_turns"] = sum(r.get("held_kv/resumed_turns") or 0 for r in recs)
   summary["held_kv_reprefilled_turns"] = sum(r.get("held_kv/reprefilled_turns") or 0 for r in recs)
   # Off-policy measures: the clipped share of ratios, and learner vs behaviour KL.
@@ -234,6 +241,21 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
     vals = [r[key] for r in recs if r.get(key) is not None]
     summary[name] = sum(vals) / len(vals) if vals else float("nan")
   return summary
+
+
+def reward_drop(rewards: list[float], window: int = 5) -> float:
+  """The largest fall of the training reward (mean of ``window`` steps) below its best so far.
+
+  A policy that reached its best and then collapsed (seen on the tools workload: reward 1.0 ->
+  0.03 in five steps after ~30 steps with nothing to learn from) trains a different workload
+  afterwards, which moves trajectories/s; this flags such a run.
+  """
+  best, drop = float("-inf"), 0.0
+  for i in range(window, len(rewards) + 1):
+    m = sum(rewards[i - window:i]) / window
+    best = max(best, m)
+    drop = max(drop, best - m)
+  return drop
 
 
 def ratio_spread(values: list[float]) -> dict:
@@ -265,7 +287,7 @@ def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str
     for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share",
                 "mean_reward_last", "reprefill_tokens", "prefill_tokens",
                 "prefill_tokens_computed", "reprefill_per_trajectory", "held_kv_resumed_turns",
-                "held_kv_reprefilled_turns", "clip_frac", "mismatch_kl"):
+                "held_kv_reprefilled_turns", "clip_frac", "mismatch_kl", "reward_drop"):
       row[key] = statistics.mean(s.get(key) or 0.0 for s in sums)
     row["bubble"] = ratio_spread([s["bubble_ratio"] for s in sums])
     if ref in runs and len(runs[ref]) == len(sums):
@@ -405,8 +427,11 @@ def main() -> None:
       s = run_mode(mode, base / f"round{rnd}" / m, budget,
                    overrides + variants.get(variant, []) + [f"--config.seed={rnd}"], a.placement)
       runs[m].append(s)
+      calls = (f"  {s['tool_calls_per_trajectory']:.2f} calls/trajectory"
+               if "tool_calls_per_trajectory" in s else "")
       print(f"  {m:<17} {s['steps']:>4} steps {s['trained_tokens_per_s']:>7.0f} tok/s"
-            f"  bubble {s['bubble_ratio']:.0%}", flush=True)
+            f"  bubble {s['bubble_ratio']:.0%}{calls}  train reward fell {s['reward_drop']:.2f}"
+            " below its best", flush=True)
   rows = aggregate_rounds(runs)
   print()
   print_table(rows)
@@ -419,10 +444,14 @@ def main() -> None:
     print(f"prefill: {asked:.0f} context tokens admitted, {done:.0f} computed (group prefix sharing:"
           f" {asked / done:.1f}x less prompt work)")
   for m in [k for k in runs if k.partition("@")[0] == "dora_pace"] if "async_unfiltered" in runs else ():
-    for key, unit in (("trained_tokens_per_s", "trained tokens/s"), ("steps_per_s", "trajectories/s")):
+    for key, unit in (("trained_tokens_per_s", "trained tokens/s"), ("steps_per_s", "trajectories/s"),
+                      ("turns_per_s", "trained turns/s")):
+      if not all(key in s for s in runs[m] + runs["async_unfiltered"]):
+        continue
       per_round = ratio_spread([d[key] / max(u[key], 1e-9)
                                 for d, u in zip(runs[m], runs["async_unfiltered"])])
-      rows[m]["x_async_unfiltered" + ("_steps" if key == "steps_per_s" else "")] = per_round
+      suffix = {"steps_per_s": "_steps", "turns_per_s": "_turns"}.get(key, "")
+      rows[m]["x_async_unfiltered" + suffix] = per_round
       print(f"{m} / async_unfiltered {unit}: {_fmt_spread(per_round)}")
   names = list(variants)
   for m in dict.fromkeys(k.partition("@")[0] for k in runs if "@" in k) if len(names) > 1 else ():

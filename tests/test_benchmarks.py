@@ -69,6 +69,19 @@ def test_modes_rounds_ratios_by_hand():
   assert order[1] == modes.round_order(["a", "b", "c", "d"], 1, 0)  # reproducible
 
 
+def test_modes_reward_drop_by_hand():
+  """The collapse flag: the largest fall of the 5-step mean training reward below its best."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import modes  # pylint: disable=g-import-not-at-top
+
+  assert modes.reward_drop([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]) == 0.0  # only rising
+  # Window means 1.0, then (1+1+1+1+0)/5 = 0.8, then 0.6: 0.4 below the best.
+  assert modes.reward_drop([1, 1, 1, 1, 1, 0, 0]) == pytest.approx(0.4)
+  # A collapse after the best, then a partial recovery: the deepest point counts.
+  assert modes.reward_drop([0] * 5 + [1] * 10 + [0] * 5 + [0.5] * 5) == pytest.approx(1.0)
+  assert modes.reward_drop([1, 1]) == 0.0  # shorter than a window
+
+
 def test_modes_benchmark_rejects_unknown_flags():
   proc = subprocess.run([sys.executable, "benchmarks/modes.py", "--bogus=1"], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
@@ -242,17 +255,21 @@ def test_sliding_window_benchmark_small(tmp_path):
 
 
 def test_weight_sync_benchmark_small(tmp_path):
-  """Files and memory, 2 servers, on a tiny model, with both floors measured (no timing is
-  asserted: the table is the benchmark's job; each case is a process, so two cases only)."""
+  """Files, memory and JAX's transfer server (its servers are processes of their own that
+  pull over loopback), 2 servers, on a tiny model, with the floors measured (no timing is
+  asserted: the table is the benchmark's job; each case is a process, so three cases only)."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import weight_sync  # pylint: disable=g-import-not-at-top
 
-  out = weight_sync.main(["--small", "--transports=orbax_rollout_dtype,device", "--servers=2",
+  out = weight_sync.main(["--small", "--transports=orbax_rollout_dtype,device,transfer_server",
+                          "--servers=2",
                           "--no_parts", f"--dir={tmp_path / 'ws'}", f"--json={tmp_path / 'ws.json'}"])
   assert out["memcpy_gib_s"] > 0 and out["disk_write_gib_s"] > 0
   runs = out["shapes"]["tiny"]["runs"]
-  assert set(runs) == {"orbax_rollout_dtype/2", "device/2"}
+  assert set(runs) == {"orbax_rollout_dtype/2", "device/2", "transfer_server/2"}
   assert all(r["to_first_decode_s"] > 0 and r["versions_per_s"] > 0 for r in runs.values())
+  # Two pulls per version (one per server process), each after its own offer.
+  assert 0 < runs["transfer_server/2"]["offer_s"] < runs["transfer_server/2"]["load_all_s"]
 
 
 def test_pace_records_by_hand(tmp_path):
