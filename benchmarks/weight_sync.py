@@ -385,11 +385,11 @@ def main(argv=None) -> dict:
   p.add_argument("--serve", default="", help=argparse.SUPPRESS)  # SHAPE: a transfer puller
   p.add_argument("--json", default="")
   a = p.parse_args(argv)
-  root = a.dir or tempfile.mkdtemp(prefix="weight_sync_")
-  os.makedirs(root, exist_ok=True)
-  if a.serve:
+  if a.serve:  # before the snapshot directory: a puller writes none
     serve_pulls(a.serve)
     return {}
+  root = a.dir or tempfile.mkdtemp(prefix="weight_sync_")
+  os.makedirs(root, exist_ok=True)
   if a.one:
     print(json.dumps(one(a.one, a.versions, root)))
     return {}
