@@ -310,6 +310,27 @@ def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str
   return rows
 
 
+def versus_async_unfiltered(runs: dict[str, list[dict]], rows: dict[str, dict]) -> list[str]:
+  """dora_pace's speed over async_unfiltered's, per round, into ``rows`` (and printable lines).
+
+  Each dora_pace run (``dora_pace`` or ``dora_pace@VARIANT``) is compared with async_unfiltered
+  under the same variant where that ran, else with its one run (``--variant_modes``).
+  """
+  lines = []
+  for m in [k for k in runs if k.partition("@")[0] == "dora_pace"]:
+    variant = m.partition("@")[2]
+    ref = f"async_unfiltered@{variant}" if f"async_unfiltered@{variant}" in runs else "async_unfiltered"
+    for key, unit in (("trained_tokens_per_s", "trained tokens/s"), ("steps_per_s", "trajectories/s"),
+                      ("turns_per_s", "trained turns/s")):
+      if ref not in runs or not all(key in s for s in runs[m] + runs[ref]):
+        continue
+      per_round = ratio_spread([d[key] / max(u[key], 1e-9) for d, u in zip(runs[m], runs[ref])])
+      suffix = {"steps_per_s": "_steps", "turns_per_s": "_turns"}.get(key, "")
+      rows[m]["x_async_unfiltered" + suffix] = per_round
+      lines.append(f"{m} / {ref} {unit}: {_fmt_spread(per_round)}")
+  return lines
+
+
 def round_order(modes: list[str], rnd: int, seed: int) -> list[str]:
   """The modes of round ``rnd`` in a shuffled order (reproducible from ``seed``)."""
   order = list(modes)
@@ -443,16 +464,8 @@ def main() -> None:
     done = sum(s["prefill_tokens_computed"] for s in computed)
     print(f"prefill: {asked:.0f} context tokens admitted, {done:.0f} computed (group prefix sharing:"
           f" {asked / done:.1f}x less prompt work)")
-  for m in [k for k in runs if k.partition("@")[0] == "dora_pace"] if "async_unfiltered" in runs else ():
-    for key, unit in (("trained_tokens_per_s", "trained tokens/s"), ("steps_per_s", "trajectories/s"),
-                      ("turns_per_s", "trained turns/s")):
-      if not all(key in s for s in runs[m] + runs["async_unfiltered"]):
-        continue
-      per_round = ratio_spread([d[key] / max(u[key], 1e-9)
-                                for d, u in zip(runs[m], runs["async_unfiltered"])])
-      suffix = {"steps_per_s": "_steps", "turns_per_s": "_turns"}.get(key, "")
-      rows[m]["x_async_unfiltered" + suffix] = per_round
-      print(f"{m} / async_unfiltered {unit}: {_fmt_spread(per_round)}")
+  for line in versus_async_unfiltered(runs, rows):
+    print(line)
   names = list(variants)
   for m in dict.fromkeys(k.partition("@")[0] for k in runs if "@" in k) if len(names) > 1 else ():
     first = runs[f"{m}@{names[0]}"]

@@ -82,6 +82,35 @@ def test_modes_reward_drop_by_hand():
   assert modes.reward_drop([1, 1]) == 0.0  # shorter than a window
 
 
+def test_modes_dora_pace_against_async_unfiltered_of_the_same_variant():
+  """Per-round ratios by hand: under variants each dora_pace run is divided by async_unfiltered's
+  run of the same variant and round; turns/s only where every run has it (tool workloads)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import modes  # pylint: disable=g-import-not-at-top
+
+  def run(tok, steps, turns=None):
+    return {"trained_tokens_per_s": tok, "steps_per_s": steps,
+            **({"turns_per_s": turns} if turns is not None else {})}
+
+  runs = {"async_unfiltered@a": [run(100, 2.0, 4.0), run(100, 2.0, 4.0)],
+          "async_unfiltered@b": [run(50, 1.0, 2.0), run(200, 4.0, 8.0)],
+          "dora_pace@a": [run(110, 1.0, 3.0), run(90, 3.0, 5.0)],
+          "dora_pace@b": [run(100, 1.0, 1.0), run(100, 4.0, 4.0)]}
+  rows = {m: {} for m in runs}
+  lines = modes.versus_async_unfiltered(runs, rows)
+  assert rows["dora_pace@a"]["x_async_unfiltered"]["min"] == pytest.approx(0.9)
+  assert rows["dora_pace@a"]["x_async_unfiltered"]["max"] == pytest.approx(1.1)
+  assert rows["dora_pace@a"]["x_async_unfiltered_steps"]["median"] == pytest.approx(1.0)  # 0.5, 1.5
+  assert rows["dora_pace@b"]["x_async_unfiltered"]["median"] == pytest.approx(1.25)  # 2.0, 0.5
+  assert rows["dora_pace@b"]["x_async_unfiltered_turns"]["median"] == pytest.approx(0.5)
+  assert len(lines) == 6 and lines[0].startswith("dora_pace@a / async_unfiltered@a")
+  # One async_unfiltered run for every variant of dora_pace (--variant_modes dora_pace), no turns.
+  runs = {"async_unfiltered": [run(100, 2.0)], "dora_pace@a": [run(150, 3.0)]}
+  rows = {m: {} for m in runs}
+  assert len(modes.versus_async_unfiltered(runs, rows)) == 2
+  assert rows["dora_pace@a"]["x_async_unfiltered_steps"]["median"] == pytest.approx(1.5)
+
+
 def test_modes_benchmark_rejects_unknown_flags():
   proc = subprocess.run([sys.executable, "benchmarks/modes.py", "--bogus=1"], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
