@@ -23,7 +23,9 @@ Sizing for one 8-chip host (v5litepod-8: 16 GiB per chip; v4-8: 32 GiB):
   so it is computed 128 positions at a time (``logprob_chunk_size``: 8 rows x 128 x 262,144 x
   4 B = 1 GiB per chunk) with ``remat=dots`` for the blocks.
 * Two rollout servers, 2 chips each splitting the slots (``rollout.tensor_parallel=1``: the
-  single KV head cannot be split over chips, and the bfloat16 weights, 2 GiB, fit one chip).
+  bfloat16 weights, 2 GiB, fit one chip. ``tensor_parallel=2`` also works: the single KV head
+  is then replicated on both chips, each computing it for its own two query heads, and every
+  chip holds the whole KV cache, so it buys weight memory, not cache memory).
   KV cache: 26 layers x 2 x 256 x 2 B = 26.6 KiB per token, x 64 slots x 1024 positions =
   1.7 GiB per server, 0.85 GiB per chip (every layer keeps all positions; local layers only
   *read* their window: DESIGN.md, Sliding-window attention).

@@ -142,11 +142,13 @@ def model_config(kind: str, vocab_size: int, **overrides):
   elif kind in ("gemma3", "gemma3_b"):
     # Tied; QK-norm; local layers on a 10k RoPE base, global ones on 1M with linear x4
     # scaling. gemma3: local, local, global, local (window 6); gemma3_b: global first,
-    # then local, window 4, and a final-logit cap.
+    # then local, window 4, a final-logit cap, and one key/value head (as Gemma 3 1B:
+    # fewer than the tests' 2 tensor-parallel chips, so they are replicated).
     types = (["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
              if kind == "gemma3" else ["full_attention", "sliding_attention"])
+    kv = {} if kind == "gemma3" else {"num_key_value_heads": 1}
     cfg = transformers.Gemma3TextConfig(
-        **dict(common, num_hidden_layers=len(types)), head_dim=24, tie_word_embeddings=True,
+        **dict(common, num_hidden_layers=len(types), **kv), head_dim=24, tie_word_embeddings=True,
         layer_types=types, sliding_window=6 if kind == "gemma3" else 4,
         query_pre_attn_scalar=20,
         final_logit_softcapping=None if kind == "gemma3" else 2.5,

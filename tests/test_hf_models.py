@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file
 
-from jax_dora.learner.mesh import LOGICAL_AXIS_RULES, make_mesh
+from jax_dora.learner.mesh import logical_axis_rules, make_mesh
 from jax_dora.model import Transformer, param_logical_specs
 from jax_dora.model.families import UnsupportedCheckpointError
 from jax_dora.model.hf_checkpoint import (
@@ -54,8 +54,9 @@ def _learner_shardings(cfg):
   import flax.linen as nn
 
   mesh = make_mesh(jax.devices()[:8], data=2, fsdp=2, tensor=2)
-  with nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-    return nn.logical_to_mesh_sharding(param_logical_specs(cfg), mesh, LOGICAL_AXIS_RULES)
+  rules = logical_axis_rules(cfg.n_kv_heads, 2)  # gemma3_b's one KV head: replicated
+  with nn.logical_axis_rules(rules):
+    return nn.logical_to_mesh_sharding(param_logical_specs(cfg), mesh, rules)
 
 
 def _never_sampled(tok_dir: str, vocab: int) -> list[int]:
@@ -77,7 +78,7 @@ def test_prefill_logits_match_transformers(hf_dirs, family):
   ckpt = open_checkpoint(hf_dirs[family])
   assert len({f for f in ckpt.weight_map.values()}) > 1, "expected a sharded checkpoint"
   cfg = model_config_from_checkpoint(ckpt, max_seq_len=64)
-  assert cfg.n_kv_heads == 2 and cfg.n_heads == 4
+  assert cfg.n_kv_heads == (1 if family == "gemma3_b" else 2) and cfg.n_heads == 4
   params = load_params(ckpt, cfg, _learner_shardings(cfg))
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 23))
   ours = Transformer(cfg).apply({"params": params}, tokens, np.broadcast_to(np.arange(23), (2, 23)))

@@ -39,6 +39,15 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def logical_axis_rules(n_kv_heads: int, tensor: int) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+  """``LOGICAL_AXIS_RULES`` for a model with ``n_kv_heads`` on a mesh whose ``tensor`` axis has
+  ``tensor`` devices: key/value heads that do not divide over it (Gemma 3 1B has one) are
+  replicated, as the rollout servers' placement does; everything else as the table says."""
+  if n_kv_heads % tensor == 0:
+    return LOGICAL_AXIS_RULES
+  return tuple((name, None if name == "kv_heads" else axes) for name, axes in LOGICAL_AXIS_RULES)
+
+
 def split_devices(
     num_learner: int, num_rollout: int, devices: Sequence[jax.Device] | None = None
 ) -> tuple[list[jax.Device], list[jax.Device]]:

@@ -33,7 +33,7 @@ from jax_dora.learner.losses import (
   loglinear_proximal,
   policy_loss,
 )
-from jax_dora.learner.mesh import BATCH_AXES, LOGICAL_AXIS_RULES
+from jax_dora.learner.mesh import BATCH_AXES, logical_axis_rules
 from jax_dora.model import routing
 from jax_dora.model import (
   ModelConfig,
@@ -188,8 +188,9 @@ class Learner:
     # optimizer's init: no second trace of the model.
     abstract = jax.eval_shape(self._boxed_state, abstract_boxed_params(model_cfg))
     specs = nn.get_partition_spec(abstract)
-    with nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-      self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
+    rules = logical_axis_rules(model_cfg.n_kv_heads, mesh.shape.get("tensor", 1))
+    with nn.logical_axis_rules(rules):
+      self.state_sharding = nn.logical_to_mesh_sharding(specs, mesh, rules)
     self.batch_axes = BATCH_AXES
     self.batch_sharding = NamedSharding(mesh, P(self.batch_axes))
     self.replicated = NamedSharding(mesh, P())

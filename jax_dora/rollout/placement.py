@@ -33,7 +33,8 @@ from jax_dora.snapshots import SnapshotReader, abstract_target_like
 
 
 def _check_divisible(model_cfg: ModelConfig, tp: int) -> None:
-  split = ("n_heads", "n_kv_heads", "d_ff", "vocab_size")
+  # Not n_kv_heads: fewer key/value heads than chips are replicated (``kv_heads_axis``).
+  split = ("n_heads", "d_ff", "vocab_size")
   if model_cfg.num_experts:
     split += ("num_experts",)  # an MoE layer's experts are divided among the chips
   if model_cfg.shared_expert_d_ff:
@@ -59,13 +60,19 @@ class EnginePlacement:
     self.mesh = Mesh(np.array(devices).reshape(len(devices) // tp, tp), ("slots", "tensor"))
     self.replicated = NamedSharding(self.mesh, P())
     self.heads_axis = "tensor" if tp > 1 else None
+    # Key/value heads (their projections and the KV cache) split like the query heads when
+    # they divide evenly, else replicated on every chip: Gemma 3 1B has one KV head, and
+    # each chip then computes it for its own query heads (MaxText and vLLM replicate the
+    # same way). What it costs: every chip holds the whole cache (n_kv_heads x head_dim per
+    # token, small when n_kv_heads < tensor_parallel).
+    self.kv_heads_axis = self.heads_axis if model_cfg.n_kv_heads % tp == 0 else None
     self.slot_axis = "slots" if num_slots % (len(devices) // tp) == 0 else None
     # The per-layer (snapshot, checkpoint) layout's shardings, and the
     # programs' (stacked under "layers" with scan_layers).
     self.param_sharding = self._param_sharding(stacked=False)
     self.program_param_sharding = self._param_sharding(stacked=self.scan_layers)
     self.state = self.decode_state_sharding(self.slot_axis)
-    cache = NamedSharding(self.mesh, P(None, None, self.heads_axis))
+    cache = NamedSharding(self.mesh, P(None, None, self.kv_heads_axis))
     r = self.replicated
     self.prefix = Prefix(cache=KVCache(k=cache, v=cache), token=r, logprob=r, true_length=r,
                          version=r)
@@ -80,7 +87,8 @@ class EnginePlacement:
     An MoE layer's experts are split over the chips (``expert`` first: a
     mesh axis is used once per array, so an expert's own ``mlp`` axis then
     stays whole on its chip, and each chip runs its own experts' matmuls)."""
-    rules = tuple((name, self.heads_axis) for name in ("vocab", "heads", "kv_heads", "expert", "mlp"))
+    rules = tuple((name, self.heads_axis) for name in ("vocab", "heads", "expert", "mlp"))
+    rules += (("kv_heads", self.kv_heads_axis),)
     rules += tuple((name, None) for name in ("embed", "kv", "norm", "layers"))
     specs = param_logical_specs(self.model_cfg)
     if stacked:
@@ -90,7 +98,7 @@ class EnginePlacement:
 
   def decode_state_sharding(self, slot_axis: str | None) -> DecodeState:
     row = NamedSharding(self.mesh, P(slot_axis))
-    cache = NamedSharding(self.mesh, P(None, slot_axis, self.heads_axis))
+    cache = NamedSharding(self.mesh, P(None, slot_axis, self.kv_heads_axis))
     return DecodeState(cache=KVCache(k=cache, v=cache), tokens=row, positions=row, lengths=row,
                        version=row, active=row, rng=self.replicated)
 
@@ -99,14 +107,14 @@ class EnginePlacement:
     rows split over ``"slots"`` when they divide evenly."""
     n = self.mesh.shape["slots"]
     cache = NamedSharding(self.mesh, P(None, "slots" if rows % n == 0 else None,
-                                       self.heads_axis))
+                                       self.kv_heads_axis))
     return KVCache(k=cache, v=cache)
 
   def step_accumulators(self, routed: bool) -> tuple:
     """Shardings of a decode step's accumulators (``DeviceSteps.empty_acc``)."""
     st = self.state
     # New entries are [L, B, 1, Hkv, D] (not the cache's head-major layout).
-    new = NamedSharding(self.mesh, P(None, self.slot_axis, None, self.heads_axis))
+    new = NamedSharding(self.mesh, P(None, self.slot_axis, None, self.kv_heads_axis))
     routes = st.tokens if routed else None  # [B, moe_layers, k]
     return (KVCache(k=new, v=new), st.tokens, st.tokens, st.tokens, self.replicated, routes)
 
