@@ -62,9 +62,10 @@ class EnginePlacement:
     self.heads_axis = "tensor" if tp > 1 else None
     # Key/value heads (their projections and the KV cache) split like the query heads when
     # they divide evenly, else replicated on every chip: Gemma 3 1B has one KV head, and
-    # each chip then computes it for its own query heads (MaxText and vLLM replicate the
-    # same way). What it costs: every chip holds the whole cache (n_kv_heads x head_dim per
-    # token, small when n_kv_heads < tensor_parallel).
+    # each chip then computes it for its own query heads. vLLM replicates each KV head on
+    # just the ranks whose query heads read it (the same thing for one head); here every
+    # chip holds every KV head, the whole cache (n_kv_heads x head_dim per token: small
+    # when n_kv_heads < tensor_parallel).
     self.kv_heads_axis = self.heads_axis if model_cfg.n_kv_heads % tp == 0 else None
     self.slot_axis = "slots" if num_slots % (len(devices) // tp) == 0 else None
     # The per-layer (snapshot, checkpoint) layout's shardings, and the
