@@ -194,6 +194,19 @@ def cycle(transport: str, publisher, reader, engines, params, version: int) -> d
   return out
 
 
+def timed_cycles(one_cycle, versions: int) -> dict[str, float]:
+  """Version 1 untimed (compiles, the first Orbax save), then versions 2..versions+1: the
+  median of each figure, sustained versions/s over them, and this process's peak memory."""
+  one_cycle(1)
+  t0 = time.perf_counter()
+  rounds = [one_cycle(v) for v in range(2, 2 + versions)]
+  total = time.perf_counter() - t0
+  med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+  med["versions_per_s"] = versions / total
+  med["peak_rss_gib"] = _peak_rss_gib()
+  return med
+
+
 def server_engine(cfg: ModelConfig, index: int) -> DoraEngine:
   """A one-slot bfloat16 server on 2 devices (tensor parallelism 2), the ``index``-th pair."""
   server_cfg = dataclasses.replace(cfg, param_dtype="bfloat16", dtype="bfloat16")
@@ -286,20 +299,11 @@ def run_transfer(shape: str, cfg: ModelConfig, params, n_servers: int, versions:
   offers = TransferOffers(publisher.memory, cfg, jax.devices()[:4], "127.0.0.1")
   pullers = _Pullers(shape, n_servers)
   try:
-    transfer_cycle(publisher, offers, pullers, params, 1)  # warm
-    rounds = []
-    t0 = time.perf_counter()
-    for v in range(2, 2 + versions):
-      rounds.append(transfer_cycle(publisher, offers, pullers, params, v))
-    total = time.perf_counter() - t0
+    return timed_cycles(lambda v: transfer_cycle(publisher, offers, pullers, params, v), versions)
   finally:
     pullers.close()
     publisher.close()
     shutil.rmtree(directory, ignore_errors=True)
-  med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-  med["versions_per_s"] = versions / total
-  med["peak_rss_gib"] = _peak_rss_gib()
-  return med
 
 
 def run_transport(transport: str, cfg: ModelConfig, params, n_servers: int, versions: int,
@@ -316,18 +320,10 @@ def run_transport(transport: str, cfg: ModelConfig, params, n_servers: int, vers
   else:
     publisher, reader = disk, SnapshotReader(directory)
   engines = [server_engine(cfg, i) for i in range(n_servers)]
-  cycle(transport, publisher, reader, engines, params, 1)  # warm: compiles, first Orbax save
-  rounds = []
-  t0 = time.perf_counter()
-  for v in range(2, 2 + versions):
-    rounds.append(cycle(transport, publisher, reader, engines, params, v))
-  total = time.perf_counter() - t0
+  med = timed_cycles(lambda v: cycle(transport, publisher, reader, engines, params, v), versions)
   publisher.wait_until_finished() if hasattr(publisher, "wait_until_finished") else None
   publisher.close()
   shutil.rmtree(directory, ignore_errors=True)
-  med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-  med["versions_per_s"] = versions / total
-  med["peak_rss_gib"] = _peak_rss_gib()
   del engines
   gc.collect()
   return med
