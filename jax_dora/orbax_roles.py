@@ -103,6 +103,11 @@ def savable(tree: PyTree) -> PyTree:
   return jax.tree.map(convert, tree)
 
 
+def _mp_kwargs(mp: ocp.options.MultiprocessingOptions | None) -> dict[str, Any]:
+  """A handler's ``multiprocessing_options`` argument, or none (Orbax's default) for ``None``."""
+  return {} if mp is None else dict(multiprocessing_options=mp)
+
+
 def standard_handler(mp: ocp.options.MultiprocessingOptions | None = None,
                      compress: bool = True) -> ocp.StandardCheckpointHandler:
   """A ``StandardCheckpointHandler`` honouring ``mp``, writing zstd-compressed chunks or not.
@@ -118,7 +123,7 @@ def standard_handler(mp: ocp.options.MultiprocessingOptions | None = None,
   readers decode either. If Orbax ever drops ``_impl``, this raises instead of
   silently compressing (a snapshot test checks the bytes written either way).
   """
-  kwargs = {} if mp is None else dict(multiprocessing_options=mp)
+  kwargs = _mp_kwargs(mp)
   handler = ocp.StandardCheckpointHandler(**kwargs)
   if not compress:
     if not isinstance(getattr(handler, "_impl", None), ocp.PyTreeCheckpointHandler):
@@ -141,7 +146,7 @@ def handler_registry(
   """
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   standard = standard_handler(mp, compress)
-  js = ocp.JsonCheckpointHandler(**({} if mp is None else dict(multiprocessing_options=mp)))
+  js = ocp.JsonCheckpointHandler(**_mp_kwargs(mp))
   registry.add(standard_item, ocp.args.StandardSave, standard)
   registry.add(standard_item, ocp.args.StandardRestore, standard)
   registry.add(json_item, ocp.args.JsonSave, js)
