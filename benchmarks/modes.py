@@ -236,6 +236,12 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
   summary["reward_drop"] = reward_drop([r["reward_mean"] for r in recs])
   summary["held_kv_resumed_turns"] = sum(r.get("held_kv/resumed_turns") or 0 for r in recs)
   summary["held_kv_reprefilled_turns"] = sum(r.get("held_kv/reprefilled_turns") or 0 for r in recs)
+  # Remote servers: Generate bytes each way per trained trajectory (multi-turn deltas cut
+  # them, rollout.resume_deltas) and the requests that went out as deltas.
+  for key in ("request_bytes", "result_bytes", "sent_delta", "sent_full", "sent_base_missing"):
+    summary[f"wire_{key}"] = sum(r.get(f"wire/{key}") or 0 for r in recs)
+  summary["wire_bytes_per_trajectory"] = (
+      summary["wire_request_bytes"] + summary["wire_result_bytes"]) / trained
   # Off-policy measures: the clipped share of ratios, and learner vs behaviour KL.
   for key, name in (("train/clip_frac", "clip_frac"), ("train/mismatch/kl_k3", "mismatch_kl")):
     vals = [r[key] for r in recs if r.get(key) is not None]
@@ -287,7 +293,9 @@ def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str
     for key in ("steps", "trained_tokens_per_s", "bubble_ratio", "wasted_share",
                 "mean_reward_last", "reprefill_tokens", "prefill_tokens",
                 "prefill_tokens_computed", "reprefill_per_trajectory", "held_kv_resumed_turns",
-                "held_kv_reprefilled_turns", "clip_frac", "mismatch_kl", "reward_drop"):
+                "held_kv_reprefilled_turns", "clip_frac", "mismatch_kl", "reward_drop",
+                "wire_bytes_per_trajectory", "wire_sent_delta", "wire_sent_full",
+                "wire_sent_base_missing"):
       row[key] = statistics.mean(s.get(key) or 0.0 for s in sums)
     row["bubble"] = ratio_spread([s["bubble_ratio"] for s in sums])
     if ref in runs and len(runs[ref]) == len(sums):
@@ -481,7 +489,10 @@ def main() -> None:
             f" re-prefilled {s['reprefill_per_trajectory']:.1f} tokens per trained trajectory"
             f" (held-KV turns {s['held_kv_resumed_turns']:.0f} resumed,"
             f" {s['held_kv_reprefilled_turns']:.0f} re-prefilled), clipped"
-            f" {s['clip_frac']:.2%}, mismatch kl {s['mismatch_kl']:.1e}")
+            f" {s['clip_frac']:.2%}, mismatch kl {s['mismatch_kl']:.1e}, Generate"
+            f" {s['wire_bytes_per_trajectory'] / 1024:.1f} KiB per trained trajectory"
+            f" (requests: {s['wire_sent_full']:.0f} full, {s['wire_sent_delta']:.0f} deltas,"
+            f" {s['wire_sent_base_missing']:.0f} resent after a missing base)")
   if "sync" in rows:
     print(f"\nsync spends {_fmt_spread(rows['sync']['bubble'], pct=True)} of its step waiting for"
           " rollout (the learner's bubble is exactly the rollout share there).")

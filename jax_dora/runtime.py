@@ -197,7 +197,8 @@ def build_rollout_clients(cfg, snapshot_dir: epath.Path | Any, devices: list[jax
     # current version; requests wait for an admitted server meanwhile.
     return connect_all(cfg.rollout.server_addresses, timeout_s=cfg.rollout.control_timeout_s,
                        load_timeout_s=cfg.rollout.load_timeout_s, offers=offers,
-                       tensor_parallel=cfg.rollout.tensor_parallel)
+                       tensor_parallel=cfg.rollout.tensor_parallel,
+                       resume_deltas=cfg.rollout.resume_deltas)
   from jax_dora.rollout.embedded import build_embedded_servers  # pylint: disable=g-import-not-at-top
 
   return build_embedded_servers(cfg, snapshot_dir, devices, policy)

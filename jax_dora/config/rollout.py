@@ -69,6 +69,11 @@ class RolloutConfig(ConfigBlock):
   hold_timeout_s: float = field(
       600.0, "Multi-turn: a version hold (and its held keys/values) not taken over within"
       " this long is released (its orchestrator is gone).")
+  resume_deltas: bool = field(
+      True, "Remote servers, multi-turn: a next turn is sent without the context its server"
+      " already holds (the prompt and the turns so far: only the observation travels) and its"
+      " result comes back without it (rollout/wire_delta.py). False = every turn ships its"
+      " whole context both ways.")
   port: int = field(9000, "gRPC port of a rollout server (role=rollout).")
   server_addresses: str = field(
       "", "Comma-separated host:port of remote rollout servers; empty = embedded servers.")

@@ -44,10 +44,14 @@ class RolloutTelemetry:
   not the ones their publisher recorded checksums of (since each started);
   ``held_kv/*``: multi-turn next turns that prefilled only their new tokens
   on top of the held keys/values (``rollout/held_kv.py``) or re-prefilled.
+  ``wire/*`` (remote servers): bytes of Generate traffic each way and how
+  requests went out: in full, as a multi-turn delta, or again in full after a
+  server lacked the delta's base (``rollout/wire_delta.py``).
   """
 
   def __init__(self):
     self._last: dict[str, tuple[float, dict[str, float]]] = {}
+    self._last_wire: dict[str, dict[str, int]] = {}  # client-side counters, per client
 
   @staticmethod
   def _counters(st: Any) -> dict[str, float]:
@@ -67,6 +71,13 @@ class RolloutTelemetry:
     delta: dict[str, float] = {}
     fallbacks: dict[str, int] = {}
     for c in clients:
+      wire_counters = getattr(c, "wire_counters", None)  # remote clients only
+      if wire_counters is not None:
+        cur_wire = {f"wire/{k}": v for k, v in wire_counters().items()}
+        prev_wire = self._last_wire.get(c.name, dict.fromkeys(cur_wire, 0))
+        self._last_wire[c.name] = cur_wire
+        for key, value in cur_wire.items():
+          delta[key] = delta.get(key, 0) + value - prev_wire.get(key, 0)
       try:
         st = await c.status()
       except Exception:  # pylint: disable=broad-exception-caught
@@ -100,6 +111,9 @@ class RolloutTelemetry:
                                               if held_turns else None),
         # Why held turns re-prefilled, since the servers started (held_kv.FALLBACKS).
         "held_kv/fallbacks_total": fallbacks,
+        # Remote servers: Generate bytes each way since the last record, and requests sent
+        # in full / as multi-turn deltas / in full again after a missing base.
+        **{k: v for k, v in delta.items() if k.startswith("wire/")},
         # Snapshot loads the live servers refused: parameters not as published.
         "snapshot_integrity_failures_total": refused,
     }

@@ -47,6 +47,7 @@ import grpc
 
 from jax_dora.rollout import api
 from jax_dora.rollout import wire
+from jax_dora.rollout import wire_delta
 
 _log = logging.getLogger(__name__)
 
@@ -90,13 +91,23 @@ class GrpcRolloutClient:
       load_timeout_s: float = 600.0,
       offers: Any = None,
       tensor_parallel: int = 1,
+      resume_deltas: bool = True,
   ):
     """``timeout_s``: deadline of Status/Abort/Health calls;
     ``load_timeout_s``: deadline of LoadVersion. Generate has none.
     ``offers``: the learner's ``TransferOffers`` (``snapshots.transport=transfer_server``):
     each LoadVersion then carries a fresh offer of the version for the server to pull,
-    staged for its ``tensor_parallel``."""
+    staged for its ``tensor_parallel``. ``resume_deltas``: a multi-turn next turn goes
+    without the context the server holds, and comes back without it (``wire_delta.py``;
+    ``rollout.resume_deltas``)."""
     self.offers = offers
+    self.resume_deltas = bool(resume_deltas)
+    self._contexts = wire_delta.HeldContexts(
+        wire_delta.DEFAULT_CAPACITY if resume_deltas else 0)
+    # Since this client was made: Generate requests by how they went out
+    # (wire_delta.SENT_AS) and the bytes of Generate frames each way.
+    self._wire = dict.fromkeys(("request_bytes", "result_bytes")
+                               + tuple(f"sent_{k}" for k in wire_delta.SENT_AS), 0)
     self.tensor_parallel = int(tensor_parallel)
     self.address = address
     self.name = name or f"grpc:{address}"
@@ -125,10 +136,24 @@ class GrpcRolloutClient:
         )
       self._methods[wire.GENERATE] = self._channel.unary_stream(
           wire.method_path(wire.GENERATE),
-          request_serializer=wire.dumps,
-          response_deserializer=wire.loads,
+          request_serializer=self._counted(wire.dumps, "request_bytes", out=True),
+          response_deserializer=self._counted(wire.loads, "result_bytes", out=False),
       )
     return self._methods[method]
+
+  def _counted(self, codec, key: str, out: bool):
+    """``codec`` (wire.dumps or wire.loads) that adds the frame's bytes to ``key``."""
+    def run(x):
+      y = codec(x)
+      self._wire[key] += len(y if out else x)
+      return y
+    return run
+
+  def wire_counters(self) -> dict[str, int]:
+    """Generate traffic since this client was made (``RolloutTelemetry`` takes deltas):
+    bytes each way, and requests sent in full, as deltas, and again in full after the
+    server lacked a delta's base."""
+    return dict(self._wire)
 
   def _lost(self, own_id: str, why: str) -> api.RolloutError:
     """The error for a stream lost to a transport failure.
@@ -166,9 +191,30 @@ class GrpcRolloutClient:
     rid = request.request_id
     if rid in self._in_flight:
       raise ValueError(f"request_id {rid!r} is already in flight on {self.name}")
-    # No deadline: see the module docstring (liveness is probed, not timed).
-    call = self._method(wire.GENERATE)(request, timeout=None)
+    message = wire_delta.encode_request(self._contexts, request)
     self._in_flight[rid] = None
+    try:
+      while True:
+        try:
+          async for item in self._generate_call(rid, request, message):
+            yield item
+          return
+        except wire.ResumeBaseMissingError:
+          # Raised before any chunk: the server kept no identical base. Once more, in full.
+          if message is request:
+            raise
+          self._wire["sent_base_missing"] += 1
+          message = request
+    finally:
+      self._in_flight.pop(rid, None)
+
+  async def _generate_call(self, rid: str, request: api.RolloutRequest,
+                           message: api.RolloutRequest | wire.ResumeDelta
+                           ) -> AsyncIterator[api.RolloutChunk | api.RolloutResult]:
+    """One Generate call of ``request`` sent as ``message``: its chunks, then its result."""
+    self._wire["sent_delta" if message is not request else "sent_full"] += 1
+    # No deadline: see the module docstring (liveness is probed, not timed).
+    call = self._method(wire.GENERATE)(message, timeout=None)
     got_result = False
     try:
       while True:
@@ -182,14 +228,16 @@ class GrpcRolloutClient:
           break
         if isinstance(item, wire.WireError):
           raise item.to_exception(f"{self.address}: ")
-        yield item
-        if isinstance(item, api.RolloutResult):
+        if isinstance(item, (api.RolloutResult, wire.ResultDelta)):
+          item = wire_delta.restore_result(request, item)
+          self._contexts.after_result(request, item)
           got_result = True
+          yield item
           break
+        yield item
       if not got_result:
         raise self._lost(rid, "stream ended without a final result")
     finally:
-      self._in_flight.pop(rid, None)
       # Cancelling tells the server (via gRPC) to abort the request; a no-op
       # once the call has finished.
       call.cancel()
@@ -210,6 +258,7 @@ class GrpcRolloutClient:
     await self._unary(wire.LOAD_VERSION, request, timeout=self.load_timeout_s)
 
   async def abort(self, request_ids: list[str]) -> None:
+    self._contexts.forget(request_ids)  # a released hold's base goes with it
     await self._unary(wire.ABORT, {"request_ids": [str(i) for i in request_ids]})
 
   async def status(self) -> api.ServerStatus:
@@ -258,7 +307,7 @@ class GrpcRolloutClient:
 
 def connect_all(
     addresses: str, timeout_s: float = 30.0, load_timeout_s: float = 600.0,
-    offers: Any = None, tensor_parallel: int = 1,
+    offers: Any = None, tensor_parallel: int = 1, resume_deltas: bool = True,
 ) -> list[GrpcRolloutClient]:
   """Clients for ``"host:port,host:port"`` (config.rollout.server_addresses).
 
@@ -275,7 +324,8 @@ def connect_all(
       raise ValueError(f"bad rollout server address {a!r} in {addresses!r}; want host:port")
     out.append(
         GrpcRolloutClient(a, timeout_s=timeout_s, load_timeout_s=load_timeout_s,
-                          offers=offers, tensor_parallel=tensor_parallel)
+                          offers=offers, tensor_parallel=tensor_parallel,
+                          resume_deltas=resume_deltas)
     )
   if not out:
     raise ValueError(f"no rollout server addresses in {addresses!r}")

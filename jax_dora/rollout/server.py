@@ -36,6 +36,7 @@ import grpc
 
 from jax_dora.rollout import api
 from jax_dora.rollout import wire
+from jax_dora.rollout import wire_delta
 
 _log = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class RolloutServer:
     # (the driver and the client both key on request_id). Only touched on
     # the event loop, so it needs no lock.
     self._active: set[str] = set()
+    # Multi-turn bases of the requests that arrive as deltas (wire_delta.py); like
+    # _active, only touched on the event loop.
+    self._contexts = wire_delta.HeldContexts()
     # Reported by Health; a new value at the same address = a restart.
     self._instance = uuid.uuid4().hex
 
@@ -155,7 +159,7 @@ class RolloutServer:
         {
             wire.GENERATE: grpc.unary_stream_rpc_method_handler(
                 self._generate,
-                request_deserializer=wire.loads_as(api.RolloutRequest),
+                request_deserializer=wire.loads_as((api.RolloutRequest, wire.ResumeDelta)),
                 response_serializer=wire.dumps,
             ),
             wire.LOAD_VERSION: unary(self._load_version, dict),
@@ -166,10 +170,22 @@ class RolloutServer:
     )
 
   async def _generate(
-      self, request: api.RolloutRequest, context: grpc.aio.ServicerContext
+      self, message: api.RolloutRequest | wire.ResumeDelta, context: grpc.aio.ServicerContext
   ) -> AsyncIterator[Any]:
-    """Streams the driver's chunks, then exactly one result or error frame."""
-    rid = request.request_id
+    """Streams the driver's chunks, then exactly one result or error frame.
+
+    A :class:`wire.ResumeDelta` (a next turn without the context held here) is
+    expanded first and its result goes back without that context
+    (``wire_delta.py``); the driver only ever sees full requests.
+    """
+    del context
+    delta = isinstance(message, wire.ResumeDelta)
+    rid = message.request.request_id if delta else message.request_id
+    try:
+      request = wire_delta.expand_request(self._contexts, message)
+    except (wire.ResumeBaseMissingError, ValueError) as e:
+      yield wire.WireError.from_exception(e, rid)
+      return
     if rid in self._active:
       yield wire.WireError(
           "RolloutError",
@@ -211,7 +227,8 @@ class RolloutServer:
           return
         if isinstance(item, api.RolloutResult):
           finished = True
-          yield item
+          self._contexts.after_result(request, item)
+          yield wire_delta.strip_result(request, item) if delta else item
           return
         yield item
     finally:
@@ -280,6 +297,7 @@ class RolloutServer:
           f"Abort needs a list of request ids, got {ids!r}",
       )
     self._driver.abort(list(ids))
+    self._contexts.forget(ids)
     return {}
 
   async def _status(

@@ -35,7 +35,8 @@ from jax_dora.rollout import api
 from jax_dora.types import TokenSpan
 
 SERVICE = "jax_dora.Rollout"
-GENERATE = "Generate"  # unary-stream: RolloutRequest -> RolloutChunk* (RolloutResult | WireError)
+# unary-stream: RolloutRequest | ResumeDelta -> RolloutChunk* (RolloutResult | ResultDelta | WireError)
+GENERATE = "Generate"
 LOAD_VERSION = "LoadVersion"  # unary: {"version": int} -> {"versions_loaded": [...]}
 ABORT = "Abort"  # unary: {"request_ids": [...]} -> {}
 STATUS = "Status"  # unary: {} -> ServerStatus
@@ -70,8 +71,44 @@ class WireError:
     return cls(prefix + self.message, self.request_ids)
 
 
+@dataclasses.dataclass
+class ResumeDelta:
+  """A multi-turn next turn without the context its server already holds (``wire_delta.py``).
+
+  ``request`` is the turn's :class:`~jax_dora.rollout.api.RolloutRequest` with
+  an empty ``prompt_tokens`` and ``resume_*`` fields that hold only what
+  follows the base: the prompt plus the first ``base_tokens`` completion
+  tokens of the hold's last turn, as the server sent them, whose bytes hash to
+  ``base_crc`` (CRC32; the server expands only an identical base).
+  """
+
+  request: api.RolloutRequest
+  base_tokens: int
+  base_crc: int
+
+
+@dataclasses.dataclass
+class ResultDelta:
+  """A result without the part of it the request carried (``wire_delta.py``).
+
+  ``result.completion_tokens`` / ``logprobs`` start at completion index
+  ``offset`` and ``result.routing`` at row ``routing_offset``; the client puts
+  back the prefix it sent (the server stripped only a prefix it checked equal).
+  """
+
+  result: api.RolloutResult
+  offset: int
+  routing_offset: int
+
+
+class ResumeBaseMissingError(api.RolloutError):
+  """The server holds no identical base for a :class:`ResumeDelta` (evicted, restarted,
+  released): the client sends that request again in full. Never leaves the client."""
+
+
 # The RolloutError subclasses a client re-raises by name (subclasses first).
 _ERROR_KINDS: dict[str, type[api.RolloutError]] = {
+    "ResumeBaseMissingError": ResumeBaseMissingError,
     "VersionUnavailableError": api.VersionUnavailableError,
     "IncarnationMismatchError": api.IncarnationMismatchError,
     "RolloutError": api.RolloutError,
@@ -87,6 +124,8 @@ _TYPES: dict[str, type] = {
         api.ServerStatus,
         TokenSpan,
         WireError,
+        ResumeDelta,
+        ResultDelta,
     )
 }
 # Fields annotated ``tuple[...]`` (annotations are strings under
