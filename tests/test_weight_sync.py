@@ -206,6 +206,8 @@ def test_transfer_server_offer_pulled_onto_a_tp2_server_is_the_learners_bytes(tm
   params = engine.load_params(TransferSource(offers.offer(1, tensor_parallel=2), 1), 1, "inc")
   assert {d.id for x in jax.tree.leaves(params) for d in x.devices()} == {4, 5}
   _assert_bytes_equal(_host(params), _host(learner))
+  # The learner's fsdp x tensor layout is not the offer's: every leaf was staged.
+  assert (offers.staged, offers.offered_as_is) == (len(jax.tree.leaves(learner)), 0)
   with pytest.raises(ValueError, match="tensor_parallel"):
     engine.load_params(TransferSource(offers.offer(1, tensor_parallel=1), 1), 1, "inc")
   bad = offers.offer(1, tensor_parallel=2)
@@ -215,6 +217,27 @@ def test_transfer_server_offer_pulled_onto_a_tp2_server_is_the_learners_bytes(tm
     engine.load_params(TransferSource(bad, 1), 1, "inc")
   with pytest.raises(SnapshotNotFoundError, match="incarnation"):
     engine.load_params(TransferSource(offers.offer(1, tensor_parallel=2), 1), 1, "other")
+  pub.close()
+
+
+def test_a_one_device_learner_offers_its_served_copy_without_staging(tmp_path):
+  """A one-device learner and a server without tensor parallelism: the served copy already
+  has the offer's layout, so it is offered as it is (no second copy on the learner), and the
+  server still pulls the learner's exact bytes onto its own device."""
+  disk = SnapshotPublisher(tmp_path / "snaps", max_to_keep=None, incarnation="inc")
+  pub = TransportPublisher(disk, MemorySnapshots(keep=2), durable_every=0)
+  offers = TransferOffers(pub.memory, CFG, jax.devices()[:1], "127.0.0.1")
+  mesh = make_mesh(jax.devices()[:1], data=1, fsdp=1, tensor=1)
+  with nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    shardings = nn.logical_to_mesh_sharding(param_logical_specs(CFG), mesh, LOGICAL_AXIS_RULES)
+  learner = jax.device_put(init_params(CFG, jax.random.PRNGKey(4)), shardings)
+  pub.publish(1, learner, {"step": 1})
+  engine = DoraEngine(CFG, TOK, num_slots=2, max_prefill_length=16, temperature=1.0,
+                      devices=jax.devices()[5:6])
+  params = engine.load_params(TransferSource(offers.offer(1, tensor_parallel=1), 1), 1, "inc")
+  assert (offers.staged, offers.offered_as_is) == (0, len(jax.tree.leaves(learner)))
+  assert {d.id for x in jax.tree.leaves(params) for d in x.devices()} == {5}
+  _assert_bytes_equal(_host(params), _host(learner))
   pub.close()
 
 
