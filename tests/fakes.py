@@ -47,8 +47,9 @@ class FakePublisher:
     self.board = board
     self.write_s = write_s
 
-  def publish(self, version: int, params: Any, metadata: dict[str, Any]) -> None:
-    del params, metadata
+  def publish(self, version: int, params: Any, metadata: dict[str, Any],
+              owned: bool = False) -> None:
+    del params, metadata, owned
     if self.write_s:
       time.sleep(self.write_s)
     self.board.published.append(int(version))
@@ -78,8 +79,9 @@ class FakeLearner:
     self._step += 1
     return {"loss": 0.0}
 
-  def detached_params(self, version: int | None = None) -> dict[str, int]:
-    del version
+  def detached_params(self, version: int | None = None, dtype: str | None = None
+                      ) -> dict[str, int]:
+    del version, dtype
     return dict(self.params)
 
 

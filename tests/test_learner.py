@@ -329,3 +329,26 @@ def test_length_grouped_micro_batches_equal_the_fused_step():
   with pytest.raises(ValueError, match="multiple of the 2 data x fsdp"):
     grouped_cfg.micro_batch_size = 1
     Learner(model_cfg, grouped_cfg, mesh, seed=5)
+
+
+def test_a_detached_copy_is_cast_in_the_same_copy_and_owns_its_buffers():
+  """What a background publish reads: ``detached_params(version, "bfloat16")`` is the
+  learner's params rounded to bfloat16 (ml_dtypes' numpy cast is the oracle), on the same
+  shardings, in new buffers (the next, donating, step cannot clobber it); without a dtype it
+  is the float32 bytes themselves."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+
+  cfg = base_config()
+  model_cfg = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, d_ff=64,
+                          max_seq_len=24)
+  learner = Learner(model_cfg, cfg.learner, make_mesh(jax.devices()[:4], 1, 2, 2), seed=3)
+  params = jax.tree.leaves(learner.params)
+  for dtype, want in ((None, np.float32), ("bfloat16", ml_dtypes.bfloat16)):
+    copy = jax.tree.leaves(learner.detached_params(7, dtype))
+    for got, src in zip(copy, params):
+      assert got.sharding.is_equivalent_to(src.sharding, src.ndim)
+      assert all(a.data.unsafe_buffer_pointer() != b.data.unsafe_buffer_pointer()
+                 for a, b in zip(got.addressable_shards, src.addressable_shards))
+      host = np.asarray(jax.device_get(got))
+      assert host.dtype == want
+      assert host.tobytes() == np.asarray(jax.device_get(src)).astype(want).tobytes()

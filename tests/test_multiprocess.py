@@ -140,7 +140,8 @@ def test_learner_and_rollout_server_in_one_distributed_cluster(tmp_path):
     learner_text, server_text = _tail(learner_log, 10**6), _tail(server_log, 10**6)
     # Each role on its own process's devices: 2 learner devices, and the
     # server's one device belongs to process 1 (ids of process 0 come first).
-    assert "learner mesh {'data': 2, 'fsdp': 1, 'tensor': 1} on 2 devices of 1 process(es); remote" in learner_text
+    assert ("learner mesh {'data': 2, 'fsdp': 1, 'expert': 1, 'tensor': 1} on 2 devices of 1"
+            " process(es); remote") in learner_text
     m = re.search(r"driver on 1 device\(s\) \[cpu:(\d+)\]", server_text)
     assert m and int(m.group(1)) >= 4, server_text[-3000:]
     assert "jax.distributed initialised: process 1 of 2" in server_text

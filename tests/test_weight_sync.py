@@ -23,6 +23,7 @@ from jax_dora.audit.snapshots import SnapshotAudit
 from jax_dora.config import ConfigError, base_config, validate
 from jax_dora.learner.mesh import LOGICAL_AXIS_RULES, make_mesh
 from jax_dora.model import CharTokenizer, ModelConfig, init_params, param_logical_specs
+from jax_dora.model.param_copy import cast_copy
 from jax_dora.rollout.driver import RolloutDriver
 from jax_dora.rollout.engine import DoraEngine
 from jax_dora.snapshots import (SnapshotIntegrityError, SnapshotNotFoundError, SnapshotPublisher,
@@ -95,13 +96,15 @@ def test_device_transport_delivers_the_learners_bytes_with_two_live_versions(tmp
 
 
 def test_a_detached_copy_is_served_as_it_is(tmp_path):
-  """The asynchronous modes' path: ``detach`` makes the served copy (bfloat16, on the learner's
-  devices, new buffers), ``publish(owned=True)`` serves exactly those buffers (no second
-  copy), and a server loads the learner's bytes from them, verified."""
+  """The asynchronous modes' path: the learner's detached copy in the publisher's write dtype
+  (``cast_copy``, what ``TrainState.detached_params(version, dtype)`` makes: bfloat16, on the
+  learner's devices, new buffers), ``publish(owned=True)`` serves exactly those buffers (no
+  second copy), and a server loads the learner's bytes from them, verified."""
   disk = SnapshotPublisher(tmp_path / "snaps", max_to_keep=None, write_dtype="bfloat16")
   pub = TransportPublisher(disk, MemorySnapshots(keep=2), durable_every=0)
   learner = _learner_params(7)
-  served = pub.detach(learner)
+  assert pub.write_dtype == "bfloat16"
+  served = cast_copy(learner, pub.write_dtype)
   assert all(x.dtype == jnp.bfloat16 and x.sharding.is_equivalent_to(y.sharding, x.ndim)
              for x, y in zip(jax.tree.leaves(served), jax.tree.leaves(learner)))
   assert all(a.data.unsafe_buffer_pointer() != b.data.unsafe_buffer_pointer()

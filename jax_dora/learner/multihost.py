@@ -141,10 +141,11 @@ class LeaderLearner:
       self._group.broadcast(batch)
       return self._learner.train_step(batch)
 
-  def detached_params(self, version: int) -> Any:
+  def detached_params(self, version: int, dtype: str | None = None) -> Any:
+    # The followers cast to their own publisher's write dtype: the same config, so ``dtype``.
     with self._group.lock:
       self._group.send(Op.COPY, version)
-      return self._learner.detached_params(version)
+      return self._learner.detached_params(version, dtype)
 
 
 class LeaderPublisher:
@@ -157,12 +158,13 @@ class LeaderPublisher:
   def __getattr__(self, name: str) -> Any:
     return getattr(self._publisher, name)
 
-  def publish(self, version: int, params: Any, metadata: dict[str, Any] | None = None) -> None:
+  def publish(self, version: int, params: Any, metadata: dict[str, Any] | None = None,
+              owned: bool = False) -> None:
     # Under the process's Orbax save lock from the broadcast on: the
     # followers make their saves in broadcast order, so ours must too.
     with SAVE_LOCK:
       self._group.send(Op.PUBLISH, version)
-      self._publisher.publish(version, params, metadata)
+      self._publisher.publish(version, params, metadata, owned=owned)
 
 
 def leader_checkpoint(checkpoint_fn: Callable[..., None], group: LearnerGroup) -> Callable[..., None]:
@@ -209,7 +211,8 @@ def follow(
           log.error("learner follower: %s", e)
         steps += 1
       elif op is Op.COPY:
-        copies[args[0]] = learner.detached_params(args[0])
+        copies[args[0]] = learner.detached_params(args[0],
+                                                  getattr(publisher, "write_dtype", None))
       elif op is Op.PUBLISH:
         version = args[0]
         params = copies.pop(version, None)

@@ -35,6 +35,7 @@ from jax_dora.learner.losses import (
 )
 from jax_dora.learner.mesh import BATCH_AXES, logical_axis_rules
 from jax_dora.model import routing
+from jax_dora.model.param_copy import cast_copy
 from jax_dora.model import (
   ModelConfig,
   Transformer,
@@ -546,15 +547,15 @@ class Learner:
       out["routing"][...] = no_route(out["routing"].dtype)
     return out
 
-  def detached_params(self, version: int | None = None) -> Any:
+  def detached_params(self, version: int | None = None, dtype: str | None = None) -> Any:
     """A device copy of the params that the next (donating) train step cannot clobber.
 
-    What a background publish of ``version`` writes while training goes on.
+    What a background publish of ``version`` writes while training goes on;
+    ``dtype``: floating leaves cast to the publisher's write dtype in the same
+    copy (one bfloat16 copy, not a float32 copy and then a cast).
     """
     del version  # the multi-host leader broadcasts it; one process needs nothing
-    out = jax.tree.map(jnp.copy, self.params)
-    jax.block_until_ready(out)
-    return out
+    return jax.block_until_ready(cast_copy(self.params, dtype))
 
   @property
   def batch_devices(self) -> int:

@@ -31,8 +31,9 @@ class TrainerLike(Protocol):
   def train_step(self, batch: dict[str, Any]) -> dict[str, float]:
     """One optimizer step (blocking; the orchestrator runs it on a thread)."""
 
-  def detached_params(self, version: int | None = None) -> Any:
-    """A copy of the params a background publish may read while training goes on."""
+  def detached_params(self, version: int | None = None, dtype: str | None = None) -> Any:
+    """A copy of the params a background publish may read while training goes on
+    (floating leaves in ``dtype``, the publisher's write dtype, when given)."""
 
   # An MoE policy's recorded-routing spec ``((moe_layers, k), dtype)``
   # (``learner.train_state.routing_spec``): batches then carry the rollout's
@@ -43,7 +44,8 @@ class TrainerLike(Protocol):
 class PublisherLike(Protocol):
   """What the orchestrator needs from the snapshot store (``SnapshotPublisher``)."""
 
-  def publish(self, version: int, params: Any, metadata: dict[str, Any]) -> Any:
+  def publish(self, version: int, params: Any, metadata: dict[str, Any],
+              owned: bool = False) -> Any:
     """Writes ``version`` where the rollout servers load it from (blocking)."""
 
 

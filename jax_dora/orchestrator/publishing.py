@@ -42,8 +42,8 @@ class BackgroundPublisher:
   def submit(self, version: int, params: Any, owned: bool = False) -> None:
     """Queues ``version`` (a detached params copy); supersedes a queued one.
 
-    ``owned``: ``params`` is the publisher's own served copy (``TransportPublisher.detach``),
-    passed on as such so it is not copied again."""
+    ``owned``: ``params`` is a copy nobody else holds, already in the publisher's write
+    dtype (``learner.detached_params``): the in-memory transport serves it as it is."""
     if self._next is not None:
       self.skipped += 1
     self._next = (version, params, owned)
@@ -56,9 +56,8 @@ class BackgroundPublisher:
         version, params, owned = self._next
         self._next = None
         t0 = time.time()
-        extra = {"owned": True} if owned else {}
         await asyncio.to_thread(self._publisher.publish, version, params, {"step": version},
-                                **extra)
+                                owned=owned)
         self.published_version = version
         self.last_write_s = time.time() - t0
         await self._on_published(version)

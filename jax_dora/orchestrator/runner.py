@@ -48,7 +48,6 @@ from jax_dora.orchestrator.host import PublisherLike, ScorerLike, TrainerLike
 from jax_dora.orchestrator.pace import PaceController
 from jax_dora.orchestrator.pool import TrajectoryPool
 from jax_dora.orchestrator.publishing import BackgroundPublisher
-from jax_dora.snapshots.memory import TransportPublisher
 from jax_dora.orchestrator.collector import TrajectoryCollector
 from jax_dora.orchestrator.multiturn import ToolLoop, recheck_tool_calls
 from jax_dora.orchestrator.telemetry import RolloutTelemetry, log_line
@@ -404,15 +403,13 @@ class Orchestrator:
     if self.publish_in_background:
       # Only the copy blocks the learner: the next (donating) train step may
       # start while Orbax writes this one.
-      owned = isinstance(self.publisher, TransportPublisher)
-      if owned:
-        # The in-memory transport's served copy is the detached copy: one copy, not two.
-        snapshot = await asyncio.to_thread(self.publisher.detach, self.learner.params)
-      else:
-        snapshot = await asyncio.to_thread(self.learner.detached_params, new_version)
+      # Copied straight into the publisher's write dtype: the in-memory transport serves
+      # this copy as it is and Orbax writes it without another cast (one copy, not two).
+      snapshot = await asyncio.to_thread(self.learner.detached_params, new_version,
+                                         getattr(self.publisher, "write_dtype", None))
       await self._remember_params(new_version)
       self.version = new_version
-      self._background.submit(new_version, snapshot, owned=owned)
+      self._background.submit(new_version, snapshot, owned=True)
     else:
       await self._remember_params(new_version)
       await asyncio.to_thread(

@@ -26,15 +26,14 @@ computed from the tree handed over, verified by every load.
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+from jax_dora.model.param_copy import cast_copy
 from jax_dora.snapshots import checksum
 from jax_dora.snapshots.store import (
     SnapshotError,
@@ -47,26 +46,6 @@ from jax_dora.snapshots.store import (
 _log = logging.getLogger(__name__)
 
 PyTree = Any
-
-
-def cast_copy(params: PyTree, dtype: str | None) -> PyTree:
-  """A fresh copy of ``params`` (floating leaves cast to ``dtype`` if given) on the same
-  devices and shardings.
-
-  Fresh: the learner's next step donates its parameter buffers, so a version
-  handed to servers must own its own. Cast on the learner's devices: the copy
-  then weighs what servers hold (half the bytes for bfloat16 servers).
-  """
-  return _copy(params, None if not dtype else jnp.dtype(dtype))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _copy(params: PyTree, dtype) -> PyTree:
-  def one(x):
-    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-      return x.astype(dtype)
-    return jnp.copy(x)  # a copy primitive: a new buffer, never the input forwarded
-  return jax.tree.map(one, params)
 
 
 def place_verified(tree: PyTree, target: PyTree, metadata: dict[str, Any], what: str) -> PyTree:
@@ -259,17 +238,10 @@ class TransportPublisher:
   def last_version(self) -> int | None:
     return self._last_version
 
-  def detach(self, params: PyTree) -> PyTree:
-    """The copy of ``params`` a version is served from (write dtype, learner's devices),
-    made now, while the caller holds its parameters still.
-
-    For the asynchronous modes: the learner's next step donates its buffers, so
-    the orchestrator must copy before training on; copying straight into the
-    served form and publishing it with ``owned=True`` makes that copy the only
-    one (a float32 copy then a cast copy before; and the learner's path now
-    writes the write dtype's bytes, half of float32's for bfloat16 servers).
-    """
-    return jax.block_until_ready(cast_copy(params, self.disk.write_dtype))
+  @property
+  def write_dtype(self) -> str | None:
+    """The dtype versions are served and written in (the learner detaches straight into it)."""
+    return self.disk.write_dtype
 
   def publish(self, version: int, params: PyTree, metadata: dict[str, Any] | None = None,
               durable: bool | None = None, owned: bool = False) -> None:
@@ -278,7 +250,8 @@ class TransportPublisher:
     The served copy is cast to the write dtype on the learner's devices (what
     servers hold) and is also what the durable write saves, so a version costs
     one copy of the parameters, not two. ``owned``: ``params`` is already that
-    copy (from ``detach``), held by nobody else; it is served as it is.
+    copy (``learner.detached_params(version, dtype=write_dtype)``), held by nobody
+    else; it is served as it is.
     """
     self._raise_writer_error()
     version = int(version)

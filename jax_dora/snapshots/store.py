@@ -241,9 +241,12 @@ class SnapshotPublisher:
 
   def publish(
       self, version: int, params: PyTree, metadata: dict[str, Any] | None = None,
-      checksums: dict[str, Any] | None = None,
+      checksums: dict[str, Any] | None = None, owned: bool = False,
   ) -> None:
     """Writes ``params`` as ``version``; visible to readers once finalized.
+
+    ``owned`` (a detached copy nobody else holds, as the in-memory transport
+    takes it) changes nothing here: the tree is written, never kept.
 
     Args:
       version: Non-negative int, strictly greater than any published before.
@@ -274,6 +277,7 @@ class SnapshotPublisher:
       raise TypeError(f'metadata must be a dict, got {type(metadata)}')
     if self.incarnation is not None:
       metadata = dict(metadata, incarnation=self.incarnation)
+    del owned
     params = self.cast_for_writing(params)
     # What readers verify the restored tree against: computed here, from the
     # tree handed over, on its devices (one read of the parameters).

@@ -22,7 +22,9 @@ of its devices and spreads the result over the rest of its mesh (its
 ``slots`` axis replicates parameters). On TPU/GPU the same API moves the
 shards device to device over the network (DCN) without a host copy where the
 runtime supports it; it needs the learner's address reachable from the
-servers (``snapshots.transfer_host``). Not done: multi-process learners (the
+servers (``snapshots.transfer_host``). A leaf that already has the offer's layout (a
+one-device learner, servers without tensor parallelism) is offered as it is:
+the served in-memory copy, no staged second copy. Not done: multi-process learners (the
 offer would need every learner process's shards).
 """
 
@@ -94,7 +96,9 @@ class TransferOffers:
     """``x`` in the offer layout ``sharding``: ``x`` itself when it already has that layout
     (a one-device learner and servers without tensor parallelism: at 1.5B the staged copy
     was 3 GB of the 24 GB host), else a copy through the host."""
-    if x.sharding.is_equivalent_to(sharding, x.ndim):
+    # One device only: that is the case a pull was tested with (a learner mesh of another
+    # shape but one device); multi-device layouts must match the puller's mesh shape too.
+    if len(x.sharding.device_set) == 1 and x.sharding.is_equivalent_to(sharding, x.ndim):
       self.offered_as_is += 1
       return x
     self.staged += 1
