@@ -265,8 +265,9 @@ class _Pullers:
 
 def transfer_cycle(publisher, offers, pullers: _Pullers, params, version: int
                    ) -> dict[str, float]:
-  """One version through the transfer server: publish into memory, then per server an offer
-  (staged on the learner) and its pull (in the server's process), one server after another."""
+  """One version through the transfer server: publish into memory (staged there once in the
+  servers' layout), then per server an offer of it and its pull (in the server's process), one
+  server after another."""
   out: dict[str, float] = {}
   t0 = time.perf_counter()
   publisher.publish(version, params, {"step": version})
@@ -295,8 +296,11 @@ def run_transfer(shape: str, cfg: ModelConfig, params, n_servers: int, versions:
   shutil.rmtree(directory, ignore_errors=True)  # a case killed earlier leaves its versions
   disk = SnapshotPublisher(directory, max_to_keep=2, checksum_casts=("bfloat16",),
                            write_dtype="bfloat16")
-  publisher = TransportPublisher(disk, MemorySnapshots(keep=1), durable_every=0)
-  offers = TransferOffers(publisher.memory, cfg, jax.devices()[:4], "127.0.0.1")
+  memory = MemorySnapshots(keep=1)
+  offers = TransferOffers(memory, cfg, jax.devices()[:4], "127.0.0.1")
+  # As the runtime does: staged once, at publish, into the servers' layout (tensor parallel 2).
+  publisher = TransportPublisher(disk, memory, durable_every=0,
+                                 serve_layout=lambda tree, consume: offers.stage(tree, 2, consume))
   pullers = _Pullers(shape, n_servers)
   try:
     return timed_cycles(lambda v: transfer_cycle(publisher, offers, pullers, params, v), versions)

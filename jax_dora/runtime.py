@@ -578,13 +578,19 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
   offers = None
   if cfg.snapshot_transport in ("device", "transfer_server"):
     memory = MemorySnapshots(cfg.snapshots.memory_versions)
-    publisher = TransportPublisher(publisher, memory, cfg.snapshots.durable_every)
-    source = TieredReader(memory, SnapshotReader(paths.snapshots))
+    serve_layout = None
     if cfg.snapshot_transport == "transfer_server":
       from jax_dora.snapshots.transfer import TransferOffers  # pylint: disable=g-import-not-at-top
 
       offers = TransferOffers(memory, policy.model_cfg, list(mesh.devices.flat),
                               cfg.snapshots.transfer_host)
+      # Each version is staged in the servers' layout once, at publish, and kept that way:
+      # every server's offer is then the kept copy itself (snapshots/transfer.py).
+      tp = cfg.rollout.tensor_parallel
+      serve_layout = lambda tree, consume: offers.stage(tree, tp, consume)  # pylint: disable=unnecessary-lambda-assignment
+    publisher = TransportPublisher(publisher, memory, cfg.snapshots.durable_every,
+                                   serve_layout=serve_layout)
+    source = TieredReader(memory, SnapshotReader(paths.snapshots))
     log.info("policy versions reach the servers in memory (snapshots.transport=%s%s); Orbax"
              " gets %s", cfg.snapshot_transport, f", offered at {offers.address}" if offers else "",
              _durable_phrase(cfg.snapshots.durable_every))

@@ -223,6 +223,42 @@ def test_transfer_server_offer_pulled_onto_a_tp2_server_is_the_learners_bytes(tm
   pub.close()
 
 
+def test_versions_staged_at_publish_are_offered_to_every_server_as_they_are(tmp_path):
+  """The runtime's transfer_server publisher: each version is staged once, at publish, in the
+  servers' tensor-parallel layout (the detached copy freed leaf by leaf) and kept that way;
+  offers to two servers stage nothing more, both pull the learner's bytes, and the audits'
+  reader still restores the kept version onto the learner's own layout, verified."""
+  disk = SnapshotPublisher(tmp_path / "snaps", max_to_keep=None, incarnation="inc",
+                           write_dtype="bfloat16")
+  memory = MemorySnapshots(keep=2)
+  offers = TransferOffers(memory, CFG, jax.devices()[:4], "127.0.0.1")
+  pub = TransportPublisher(disk, memory, durable_every=0,
+                           serve_layout=lambda tree, consume: offers.stage(tree, 2, consume))
+  learner = _learner_params(5)
+  leaves = len(jax.tree.leaves(learner))
+  detached = cast_copy(learner, "bfloat16")
+  pub.publish(1, detached, {"step": 1}, owned=True)
+  assert all(x.is_deleted() for x in jax.tree.leaves(detached))  # one copy held, not two
+  assert all(not x.is_deleted() for x in jax.tree.leaves(learner))
+  kept, _ = memory.get(1)
+  layout = jax.tree.leaves(offers._layout(2))  # pylint: disable=protected-access
+  assert all(x.sharding == s for x, s in zip(jax.tree.leaves(kept), layout))
+  assert (offers.staged, offers.offered_as_is) == (leaves, 0)
+  want = _host(learner, ml_dtypes.bfloat16)
+  for _ in range(2):  # two servers
+    got = _engine("bfloat16").load_params(TransferSource(offers.offer(1, tensor_parallel=2), 1),
+                                          1, "inc")
+    _assert_bytes_equal(_host(got), want)
+  assert (offers.staged, offers.offered_as_is) == (leaves, 2 * leaves)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding),
+                        learner)
+  back, _ = TieredReader(memory, SnapshotReader(tmp_path / "snaps")).load(1, target=target)
+  assert all(x.sharding == t.sharding for x, t in zip(jax.tree.leaves(back),
+                                                       jax.tree.leaves(target)))
+  _assert_bytes_equal(_host(back), want)
+  pub.close()
+
+
 def test_a_one_device_learner_offers_its_served_copy_without_staging(tmp_path):
   """A one-device learner and a server without tensor parallelism: the served copy already
   has the offer's layout, so it is offered as it is (no second copy on the learner), and the

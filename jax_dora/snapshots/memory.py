@@ -29,6 +29,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -210,8 +211,14 @@ class TransportPublisher:
   """
 
   def __init__(self, disk: SnapshotPublisher, memory: MemorySnapshots, durable_every: int,
-               max_pending: int = 2):
+               max_pending: int = 2,
+               serve_layout: Callable[[PyTree, bool], PyTree] | None = None):
+    """``serve_layout(tree, consume)``: the served copy re-laid out for the servers before it
+    is kept (``TransferOffers.stage``: remote servers pull it as it is); ``consume``: the tree
+    is this publisher's own copy, which it may free leaf by leaf. None: the learner's layout
+    (embedded servers read it in place)."""
     self.disk = disk
+    self.serve_layout = serve_layout
     self.memory = memory
     self.durable_every = max(0, int(durable_every))
     self.max_pending = max(1, int(max_pending))
@@ -260,6 +267,8 @@ class TransportPublisher:
                        f" {self._last_version}")
     metadata = dict(metadata or {})
     served = params if owned else cast_copy(params, self.disk.write_dtype)
+    if self.serve_layout is not None:
+      served = self.serve_layout(served, True)  # ``served`` is this publisher's own copy
     tables = self.disk.checksum_record(served)
     full = dict(metadata, checksums=tables)
     if self.incarnation is not None:

@@ -22,9 +22,10 @@ of its devices and spreads the result over the rest of its mesh (its
 ``slots`` axis replicates parameters). On TPU/GPU the same API moves the
 shards device to device over the network (DCN) without a host copy where the
 runtime supports it; it needs the learner's address reachable from the
-servers (``snapshots.transfer_host``). A leaf that already has the offer's layout (a
-one-device learner, servers without tensor parallelism) is offered as it is:
-the served in-memory copy, no staged second copy. Not done: multi-process learners (the
+servers (``snapshots.transfer_host``). The runtime stages each version once, at
+publish (``TransportPublisher(serve_layout=TransferOffers.stage)``): the
+in-memory version is kept in the offer layout, so every server is offered it
+as it is and the learner never holds a second copy. Not done: multi-process learners (the
 offer would need every learner process's shards).
 """
 
@@ -92,27 +93,44 @@ class TransferOffers:
       self._layouts[tp] = placement.param_sharding
     return self._layouts[tp]
 
-  def _stage(self, x: jax.Array, sharding: NamedSharding) -> jax.Array:
-    """``x`` in the offer layout ``sharding``: ``x`` itself when it already has that layout
-    (a one-device learner and servers without tensor parallelism: at 1.5B the staged copy
-    was 3 GB of the 24 GB host), else a copy through the host."""
-    # One device only: that is the case a pull was tested with (a learner mesh of another
-    # shape but one device); multi-device layouts must match the puller's mesh shape too.
-    if len(x.sharding.device_set) == 1 and x.sharding.is_equivalent_to(sharding, x.ndim):
+  def _stage(self, x: jax.Array, sharding: NamedSharding, consume: bool) -> jax.Array:
+    """``x`` in the offer layout ``sharding``: ``x`` itself when it already has that layout,
+    else a copy through the host (``x`` deleted after it when ``consume``)."""
+    # Exactly the offer's sharding (a version staged at publish), or one device (a learner
+    # mesh of another shape but one device: a pull with it was tested); other multi-device
+    # layouts must match the puller's mesh shape too.
+    if x.sharding == sharding or (len(x.sharding.device_set) == 1
+                                  and x.sharding.is_equivalent_to(sharding, x.ndim)):
       self.offered_as_is += 1
       return x
     self.staged += 1
-    return jax.device_put(jax.device_get(x), sharding)
+    out = jax.device_put(jax.device_get(x), sharding)
+    if consume:
+      x.delete()
+    return out
 
-  def offer(self, version: int, tensor_parallel: int) -> dict[str, Any]:
-    """Stages ``version`` in the servers' layout and returns what ``LoadVersion`` carries."""
-    params, metadata = self.memory.get(version)
+  def stage(self, params: PyTree, tensor_parallel: int, consume: bool = False) -> PyTree:
+    """``params`` in the servers' layout on ``tensor_parallel`` learner devices, leaf by leaf.
+
+    ``TransportPublisher(serve_layout=...)`` calls it once per version at publish,
+    so the in-memory version *is* the offer: every server's LoadVersion then offers
+    it as it is (no staging per server, no second copy of the version on the
+    learner). ``consume``: ``params`` is a copy nobody else holds; each leaf is
+    deleted once staged, so the learner never holds two copies of the version.
+    """
     # Through the host: a direct device_put from the learner's mesh onto another device set
     # failed inside JAX in a long-lived process (an array reporting 8 shards for a 4-device
     # sharding, fresh-clone CI 12-07), and the copy is what a file would cost minus the disk.
     # Leaf by leaf, so the host holds one leaf at a time, not a second copy of the tree (at
     # 1.5B the whole-tree round trip put the benchmark's learner out of memory on 24 GB).
-    staged = jax.tree.map(self._stage, params, self._layout(int(tensor_parallel)))
+    return jax.tree.map(lambda x, s: self._stage(x, s, consume), params,
+                        self._layout(int(tensor_parallel)))
+
+  def offer(self, version: int, tensor_parallel: int) -> dict[str, Any]:
+    """Offers ``version`` in the servers' layout (staged now unless it was at publish) and
+    returns what ``LoadVersion`` carries."""
+    params, metadata = self.memory.get(version)
+    staged = self.stage(params, tensor_parallel)
     with self._lock:
       uid = next(self._ids)
       self._server.await_pull(uid, staged)
