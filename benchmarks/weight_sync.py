@@ -300,7 +300,7 @@ def run_transfer(shape: str, cfg: ModelConfig, params, n_servers: int, versions:
   offers = TransferOffers(memory, cfg, jax.devices()[:4], "127.0.0.1")
   # As the runtime does: staged once, at publish, into the servers' layout (tensor parallel 2).
   publisher = TransportPublisher(disk, memory, durable_every=0,
-                                 serve_layout=lambda tree, consume: offers.stage(tree, 2, consume))
+                                 serve_layout=lambda tree: offers.stage(tree, 2))
   pullers = _Pullers(shape, n_servers)
   try:
     return timed_cycles(lambda v: transfer_cycle(publisher, offers, pullers, params, v), versions)

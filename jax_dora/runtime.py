@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -587,7 +588,7 @@ def build_run(cfg: ml_collections.ConfigDict | RunConfig) -> Run:
       # Each version is staged in the servers' layout once, at publish, and kept that way:
       # every server's offer is then the kept copy itself (snapshots/transfer.py).
       tp = cfg.rollout.tensor_parallel
-      serve_layout = lambda tree, consume: offers.stage(tree, tp, consume)  # pylint: disable=unnecessary-lambda-assignment
+      serve_layout = functools.partial(offers.stage, tensor_parallel=tp)
     publisher = TransportPublisher(publisher, memory, cfg.snapshots.durable_every,
                                    serve_layout=serve_layout)
     source = TieredReader(memory, SnapshotReader(paths.snapshots))

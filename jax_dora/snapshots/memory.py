@@ -212,10 +212,9 @@ class TransportPublisher:
 
   def __init__(self, disk: SnapshotPublisher, memory: MemorySnapshots, durable_every: int,
                max_pending: int = 2,
-               serve_layout: Callable[[PyTree, bool], PyTree] | None = None):
-    """``serve_layout(tree, consume)``: the served copy re-laid out for the servers before it
-    is kept (``TransferOffers.stage``: remote servers pull it as it is); ``consume``: the tree
-    is this publisher's own copy, which it may free leaf by leaf. None: the learner's layout
+               serve_layout: Callable[[PyTree], PyTree] | None = None):
+    """``serve_layout(tree)``: the served copy re-laid out for the servers before it is kept
+    (``TransferOffers.stage``: remote servers pull it as it is). None: the learner's layout
     (embedded servers read it in place)."""
     self.disk = disk
     self.serve_layout = serve_layout
@@ -268,7 +267,7 @@ class TransportPublisher:
     metadata = dict(metadata or {})
     served = params if owned else cast_copy(params, self.disk.write_dtype)
     if self.serve_layout is not None:
-      served = self.serve_layout(served, True)  # ``served`` is this publisher's own copy
+      served = self.serve_layout(served)
     tables = self.disk.checksum_record(served)
     full = dict(metadata, checksums=tables)
     if self.incarnation is not None:

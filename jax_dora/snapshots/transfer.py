@@ -93,9 +93,9 @@ class TransferOffers:
       self._layouts[tp] = placement.param_sharding
     return self._layouts[tp]
 
-  def _stage(self, x: jax.Array, sharding: NamedSharding, consume: bool) -> jax.Array:
+  def _stage(self, x: jax.Array, sharding: NamedSharding) -> jax.Array:
     """``x`` in the offer layout ``sharding``: ``x`` itself when it already has that layout,
-    else a copy through the host (``x`` deleted after it when ``consume``)."""
+    else a copy through the host."""
     # Exactly the offer's sharding (a version staged at publish), or one device (a learner
     # mesh of another shape but one device: a pull with it was tested); other multi-device
     # layouts must match the puller's mesh shape too.
@@ -104,27 +104,25 @@ class TransferOffers:
       self.offered_as_is += 1
       return x
     self.staged += 1
-    out = jax.device_put(jax.device_get(x), sharding)
-    if consume:
-      x.delete()
-    return out
+    return jax.device_put(jax.device_get(x), sharding)
 
-  def stage(self, params: PyTree, tensor_parallel: int, consume: bool = False) -> PyTree:
+  def stage(self, params: PyTree, tensor_parallel: int) -> PyTree:
     """``params`` in the servers' layout on ``tensor_parallel`` learner devices, leaf by leaf.
 
     ``TransportPublisher(serve_layout=...)`` calls it once per version at publish,
     so the in-memory version *is* the offer: every server's LoadVersion then offers
-    it as it is (no staging per server, no second copy of the version on the
-    learner). ``consume``: ``params`` is a copy nobody else holds; each leaf is
-    deleted once staged, so the learner never holds two copies of the version.
+    it as it is (no staging per server, and one copy of the version kept on the
+    learner, not the served copy plus an offer per server). The copy it was staged
+    from is freed when the publish returns, not leaf by leaf: deleting leaves as
+    they are staged lowered the peak by that copy but cost ~2 s per 0.5B version on
+    this VM (freed memory goes back to the hypervisor; DESIGN, "Snapshots").
     """
     # Through the host: a direct device_put from the learner's mesh onto another device set
     # failed inside JAX in a long-lived process (an array reporting 8 shards for a 4-device
     # sharding, fresh-clone CI 12-07), and the copy is what a file would cost minus the disk.
     # Leaf by leaf, so the host holds one leaf at a time, not a second copy of the tree (at
     # 1.5B the whole-tree round trip put the benchmark's learner out of memory on 24 GB).
-    return jax.tree.map(lambda x, s: self._stage(x, s, consume), params,
-                        self._layout(int(tensor_parallel)))
+    return jax.tree.map(self._stage, params, self._layout(int(tensor_parallel)))
 
   def offer(self, version: int, tensor_parallel: int) -> dict[str, Any]:
     """Offers ``version`` in the servers' layout (staged now unless it was at publish) and
