@@ -234,6 +234,9 @@ def run_mode(mode: str, out: pathlib.Path, budget_s: float, extra: list[str], pl
     turns = sum(batch * (1.0 + r.get("tools/calls_per_trajectory", 0.0)) for r in recs)
     summary["turns_per_s"] = turns / max(summary.get("wall_time_s") or 0.0, 1e-9)
   summary["reward_drop"] = reward_drop([r["reward_mean"] for r in recs])
+  # Multi-turn trajectories started over past the bound (orchestrator.restart_stale_turns).
+  summary["stale_turn_restarts"] = last.get("tools/stale_turn_restarts_total", 0)
+  summary["stale_evicted"] = last.get("stale_evicted_total", 0)
   summary["held_kv_resumed_turns"] = sum(r.get("held_kv/resumed_turns") or 0 for r in recs)
   summary["held_kv_reprefilled_turns"] = sum(r.get("held_kv/reprefilled_turns") or 0 for r in recs)
   # Remote servers: Generate bytes each way per trained trajectory (multi-turn deltas cut
@@ -295,7 +298,7 @@ def aggregate_rounds(runs: dict[str, list[dict]], ref: str = "sync") -> dict[str
                 "prefill_tokens_computed", "reprefill_per_trajectory", "held_kv_resumed_turns",
                 "held_kv_reprefilled_turns", "clip_frac", "mismatch_kl", "reward_drop",
                 "wire_bytes_per_trajectory", "wire_sent_delta", "wire_sent_full",
-                "wire_sent_base_missing"):
+                "wire_sent_base_missing", "stale_turn_restarts", "stale_evicted"):
       row[key] = statistics.mean(s.get(key) or 0.0 for s in sums)
     row["bubble"] = ratio_spread([s["bubble_ratio"] for s in sums])
     if ref in runs and len(runs[ref]) == len(sums):
@@ -492,7 +495,9 @@ def main() -> None:
             f" {s['clip_frac']:.2%}, mismatch kl {s['mismatch_kl']:.1e}, Generate"
             f" {s['wire_bytes_per_trajectory'] / 1024:.1f} KiB per trained trajectory"
             f" (requests: {s['wire_sent_full']:.0f} full, {s['wire_sent_delta']:.0f} deltas,"
-            f" {s['wire_sent_base_missing']:.0f} resent after a missing base)")
+            f" {s['wire_sent_base_missing']:.0f} resent after a missing base), groups evicted"
+            f" as stale {s['stale_evicted']:.0f}, trajectories restarted past the bound at a turn"
+            f" boundary {s['stale_turn_restarts']:.0f}")
   if "sync" in rows:
     print(f"\nsync spends {_fmt_spread(rows['sync']['bubble'], pct=True)} of its step waiting for"
           " rollout (the learner's bubble is exactly the rollout share there).")

@@ -208,3 +208,47 @@ def test_a_calculator_call_writes_its_expression_out():
   own = Prompt(0, "mul", "mul 12*34:", "408", meta={"expression": "12*34"})
   assert fmt.parse("abc=", own) == "12*34"  # a bare '=': the prompt's own expression
   assert fmt.parse("1*2=", own) == "1*2"  # a written expression is the call
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_trajectory_past_the_bound_at_a_turn_boundary_starts_over(tmp_path, restart):
+  """``orchestrator.restart_stale_turns``: tool calls (60 ms) outlast several learner steps
+  (10 ms), so a first turn is often more than ``max_staleness`` behind the learner when its call
+  ends. With the option, such a trajectory starts over instead of running its second turn (its
+  group could only be evicted), every restart is in the ledger with its reason, and the run's
+  integrity and bound still hold; without it, nothing restarts."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  with ToolExecutor(["calculator"], max_concurrency=8, extra_latency_s=0.06) as tools:
+    out = run_mode(tmp_path, "dora_pace", step_s=0.01, script=calculator_script,
+                   tool_executor=tools, **{"tools.name": "calculator",
+                                           "orchestrator.restart_stale_turns": restart})
+  assert out.summary["integrity_violations"] == []
+  assert all(staleness(r) <= 2 for r in out.trained)
+  restarts = out.records[-1]["tools/stale_turn_restarts_total"]
+  ledger = [json.loads(line) for line in (tmp_path / "dora_pace.jsonl").read_text().splitlines()]
+  stale = [e for e in ledger if e.get("event") == "reissued"
+           and "past the staleness bound at a turn boundary" in e["why"]]
+  if restart:
+    assert 0 < restarts <= len(stale)  # the ledger also sees restarts after the last record
+  else:
+    assert restarts == 0 and not stale
+
+
+def test_past_the_bound_is_the_oldest_span_against_the_learner():
+  """By hand: spans from versions 3 and 5; bound 2. Learner 5: 5 - 3 = 2, within; learner 6:
+  6 - 3 = 3, past (the newer span does not matter)."""
+  from jax_dora.orchestrator.collector import TrajectoryCollector  # pylint: disable=g-import-not-at-top
+  from jax_dora.types import TokenSpan, Trajectory  # pylint: disable=g-import-not-at-top
+
+  learner = [5]
+  col = TrajectoryCollector(None, None, learner_version=lambda: learner[0], stale_after=2)
+  traj = Trajectory(sample_id=1, member=0, prompt=Prompt(1, "t", "x", "y"),
+                    prompt_tokens=np.asarray([1], np.int32),
+                    completion_tokens=np.asarray([5, 6, 7, 8], np.int32),
+                    behaviour_logprobs=np.zeros(4, np.float32),
+                    spans=[TokenSpan(0, 2, 3), TokenSpan(3, 4, 5)], finish_reason="stop")
+  assert not col._past_bound(traj)  # pylint: disable=protected-access
+  learner[0] = 6
+  assert col._past_bound(traj)  # pylint: disable=protected-access
+  assert not TrajectoryCollector(None, None, learner_version=lambda: 6)._past_bound(traj)  # pylint: disable=protected-access

@@ -27,6 +27,11 @@ class OrchestratorConfig(ConfigBlock):
       " released when the tool call starts (a per-turn version hop: intra-turn consistency,"
       " spans of several versions, each turn one). The staleness bound and the importance"
       " corrections apply per span either way (DESIGN.md, Held trajectories).")
+  restart_stale_turns: bool = field(
+      False, "Multi-turn: at a turn boundary, a trajectory whose oldest sampled token is already"
+      " more than max_staleness versions behind the learner starts over instead of running its"
+      " next turn: versions only grow, so finished it could only be evicted, taking its whole"
+      " group with it (counted: tools/stale_turn_restarts_total).")
   queue_depth: int = field(4, "Requests in flight per server beyond its slots (keeps slots full).")
   max_server_restarts: int = field(
       3, "A rollout server that dies and comes back at the same address (a new process), or"

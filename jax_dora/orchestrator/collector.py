@@ -42,6 +42,8 @@ from jax_dora.orchestrator.multiturn import ToolLoop
 from jax_dora.rollout.api import RolloutResult, VersionUnavailableError
 from jax_dora.types import Prompt, Trajectory
 
+# Why a multi-turn trajectory started over at a turn boundary (``stale_after``).
+STALE_TURN = "past the staleness bound at a turn boundary"
 # How many results of another run incarnation a sample may get before the run stops.
 MAX_FOREIGN_RESULTS = 3
 ON_ABORT = ("return", "resume", "restart")
@@ -59,18 +61,33 @@ class TrajectoryCollector:
     on_restart: ``(sample_id, member, reason)``, told before every start-over.
     learner_version: The learner's newest version, read around tool calls
       (PACE's tool-wait staleness); None outside training.
+    stale_after: Multi-turn: a trajectory whose oldest sampled span is more than this
+      many versions behind ``learner_version`` when a tool call ends starts over
+      instead of running its next turn (``orchestrator.restart_stale_turns``: it
+      could only be evicted, with its group, at the staleness bound). None: never.
   """
 
   def __init__(self, dispatcher: Any, tools: ToolLoop | None, *, tag: str = "train",
                check: Callable[[RolloutResult], str | None] | None = None,
                on_restart: Callable[[int, int, str], None] | None = None,
-               learner_version: Callable[[], int] | None = None):
+               learner_version: Callable[[], int] | None = None,
+               stale_after: int | None = None):
     self.dispatcher = dispatcher
+    self.stale_after = stale_after
+    self.stale_restarts = 0  # trajectories started over under ``stale_after``
     self.tools = tools
     self.tag = tag
     self._check = check
     self._on_restart = on_restart
     self._learner_version = learner_version
+
+  def _past_bound(self, traj: Trajectory) -> bool:
+    """``traj``'s oldest sampled span is already past ``stale_after`` (its next turns and its
+    group's training are wasted: behaviour staleness only grows)."""
+    if self.stale_after is None or self._learner_version is None or not traj.spans:
+      return False
+    oldest = min(sp.version for sp in traj.spans)
+    return self._learner_version() - oldest > self.stale_after
 
   def _restart(self, prompt: Prompt, member: int, why: str) -> None:
     if self._on_restart is not None:
@@ -153,6 +170,11 @@ class TrajectoryCollector:
                                        f"{self.tag}-{prompt.sample_id}-{member}",
                                        version=self._learner_version):
             return traj
+          if self._past_bound(traj):
+            self.stale_restarts += 1
+            await start_over(f"{STALE_TURN} (oldest span v{traj.start_version}, learner"
+                             f" v{self._learner_version()})")
+            continue
           turn_start, partial = traj.num_completion_tokens, traj
           continue
         if traj.finish_reason != "aborted" or on_abort == "return" or stopping():

@@ -48,7 +48,7 @@ from jax_dora.orchestrator.host import PublisherLike, ScorerLike, TrainerLike
 from jax_dora.orchestrator.pace import PaceController
 from jax_dora.orchestrator.pool import TrajectoryPool
 from jax_dora.orchestrator.publishing import BackgroundPublisher
-from jax_dora.orchestrator.collector import TrajectoryCollector
+from jax_dora.orchestrator.collector import STALE_TURN, TrajectoryCollector
 from jax_dora.orchestrator.multiturn import ToolLoop, recheck_tool_calls
 from jax_dora.orchestrator.telemetry import RolloutTelemetry, log_line
 from jax_dora.types import Prompt, Trajectory
@@ -145,7 +145,9 @@ class Orchestrator:
     # Every training trajectory's turn loop (the held-out eval runs the same one).
     self.collector = TrajectoryCollector(
         dispatcher, self.tool_loop, check=lambda r: self._foreign(r.incarnation, r.spans),
-        on_restart=self._restarted, learner_version=lambda: self.version)
+        on_restart=self._restarted, learner_version=lambda: self.version,
+        stale_after=(cfg.orchestrator.max_staleness if cfg.orchestrator.restart_stale_turns
+                     else None))
 
     self.group_size = cfg.learner.group_size
     self.groups_per_step = cfg.learner.groups_per_step
@@ -261,7 +263,9 @@ class Orchestrator:
   def _restarted(self, sample_id: int, member: int, why: str) -> None:
     """A sample starts over (its held version's server was lost, or a foreign result)."""
     self.ledger.reissued(sample_id, member, why)
-    log.warning("restarting %s-%d: %s", sample_id, member, why)
+    # A stale turn restart is routine under orchestrator.restart_stale_turns (counted per step).
+    (log.debug if why.startswith(STALE_TURN) else log.warning)(
+        "restarting %s-%d: %s", sample_id, member, why)
 
   def _foreign(self, incarnation: str, spans: Sequence[Any]) -> str | None:
     """Why a result cannot come from this run's policy versions (None if it can)."""
@@ -520,6 +524,7 @@ class Orchestrator:
     if self.tool_executor is not None:
       rec.update(self.tool_executor.metrics())
       rec["tools/calls_per_trajectory"] = float(np.mean([len(t.tool_calls) for t in trajs]))
+      rec["tools/stale_turn_restarts_total"] = self.collector.stale_restarts
       rec["tools/tool_wait_staleness_mean"] = float(np.mean(
           [staleness_lib.tool_wait_staleness(t) for t in trajs]))
     if self.strategy.streams:
