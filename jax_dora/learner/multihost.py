@@ -17,11 +17,20 @@ publisher that first broadcast each operation (and its batch) to the learner
 processes. Every other learner process runs :func:`follow`: it receives the
 operations in order and makes the same calls.
 
-The broadcast is the device-collective trick of
-``jax.experimental.multihost_utils.broadcast_one_to_all`` (the source
+Operations travel as small headers through the ``jax.distributed`` key-value
+store (host memory of the coordination service), one key per operation in
+order; only their payloads (a train step's batch) use the device-collective
+trick of ``jax.experimental.multihost_utils.broadcast_one_to_all`` (the source
 contributes its data, the others zeros, one ``psum``) restricted to the
 learner's devices: the ``jax.distributed`` cluster may also hold rollout-server
-processes, which must never take part in a learner collective.
+processes, which must never take part in a learner collective. Why headers are
+not collectives: a follower waiting for the next operation inside a device
+collective keeps it queued on its devices, and on the CPU client the
+device-to-host copy of its background publish (bfloat16 shards) queued behind
+it, while the primary's publish waited at Orbax's barrier for that copy: a
+multi-process learner writing bfloat16 versions hung at its second version.
+A follower waiting on the key-value store holds nothing on its devices; it
+enters a collective only after the primary has announced it.
 
 Ordering: every broadcast, and every train step, runs under one lock on the
 primary, so no broadcast can slip between the collectives of a train step
@@ -55,6 +64,8 @@ from jax_dora.orbax_roles import SAVE_LOCK
 log = logging.getLogger(__name__)
 
 _HEADER = 4  # int64 words: op, arg0, arg1, arg2
+_OPS_KEY = "jax_dora/learner_ops"  # + "/<sequence number>": one key per operation
+_WAIT_MS = 60_000  # a follower's key-value wait, renewed (the primary may idle for minutes)
 
 
 class Op(enum.IntEnum):
@@ -77,6 +88,7 @@ class LearnerGroup:
     self.is_primary = jax.process_index() == self.primary
     self.size = len(self.processes)
     self.lock = threading.RLock()
+    self._sent = 0  # operations announced (primary) / received (follower)
     self._mesh: Mesh | None = None
     if self.size > 1:
       per = min(len(v) for v in by_process.values())
@@ -114,14 +126,37 @@ class LearnerGroup:
     return bytes(out[out != 0]).decode()
 
   def send(self, op: Op, *args: int) -> None:
-    header = np.zeros((_HEADER,), np.int64)
-    header[0] = int(op)
-    header[1:1 + len(args)] = args
-    self.broadcast(header)
+    """Announces ``op`` to the followers (the key-value store: see the module docstring)."""
+    if len(args) >= _HEADER:
+      raise ValueError(f"{op.name} takes at most {_HEADER - 1} int arguments, got {args}")
+    self._sent += 1
+    _kv_client().key_value_set(f"{_OPS_KEY}/{self._sent}",
+                               " ".join(str(int(x)) for x in (int(op), *args)))
 
   def receive(self) -> tuple[Op, list[int]]:
-    header = self.broadcast(np.zeros((_HEADER,), np.int64))
-    return Op(int(header[0])), [int(x) for x in header[1:]]
+    """The primary's next operation, waiting for it as long as it takes."""
+    self._sent += 1
+    key = f"{_OPS_KEY}/{self._sent}"
+    client = _kv_client()
+    while True:
+      try:
+        raw = client.blocking_key_value_get(key, _WAIT_MS)
+        break
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        if "DEADLINE_EXCEEDED" not in str(e):
+          raise
+    words = [int(x) for x in raw.split()]
+    return Op(words[0]), words[1:] + [0] * (_HEADER - len(words))
+
+
+def _kv_client():
+  """The ``jax.distributed`` coordination service's client (its key-value store)."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError("multi-process learner without jax.distributed initialised")
+  return client
 
 
 class LeaderLearner:
