@@ -14,11 +14,10 @@ import asyncio
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dora.model import CharTokenizer, ModelConfig, Transformer, init_params
+from jax_dora.model import CharTokenizer, ModelConfig, init_params
 from jax_dora.rollout import api
 from jax_dora.rollout import wire
 from jax_dora.rollout import wire_delta
@@ -28,6 +27,8 @@ from jax_dora.rollout.engine import DoraEngine
 from jax_dora.rollout.server import RolloutServer
 from jax_dora.snapshots import SnapshotPublisher
 from jax_dora.types import TokenSpan
+
+from test_held_kv import _continuation_logp
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -164,16 +165,6 @@ def test_the_table_is_bounded_and_released_holds_go():
 
 
 # ------------------------------------------------------------------ end to end over gRPC
-def _logp_after(params, prompt: np.ndarray, result: api.RolloutResult, k: int) -> np.ndarray:
-  """Full-forward log-probs of ``result``'s completion tokens after its first ``k``."""
-  seq = np.concatenate([prompt, result.completion_tokens])
-  logits = Transformer(CFG).apply({"params": params}, jnp.asarray(seq, jnp.int32)[None],
-                                  jnp.arange(len(seq))[None])
-  logp = np.asarray(jax.nn.log_softmax(logits[0].at[:, [0, 1]].set(-jnp.inf), axis=-1))
-  p = len(prompt)
-  return logp[np.arange(p + k - 1, len(seq) - 1), seq[p + k:]]
-
-
 async def _serve(driver, port: int = 0) -> RolloutServer:
   for _ in range(50):  # a port just released may take a moment
     server = RolloutServer(driver, port, host="127.0.0.1", name="wire")
@@ -228,7 +219,7 @@ async def test_turns_travel_as_deltas_and_stay_exact(tmp_path):
     k = len(req.resume_tokens)
     np.testing.assert_array_equal(second.completion_tokens[:k], req.resume_tokens)
     np.testing.assert_array_equal(second.logprobs[:k], req.resume_logprobs)
-    ref = _logp_after(params, prompt, second, k)
+    ref = _continuation_logp(params, prompt, second, k, CFG)
     assert len(ref) >= 1
     np.testing.assert_allclose(second.logprobs[k:], ref, atol=1e-4)
     # Frames: the same request and result whole would be larger by at least the prompt's and
@@ -267,7 +258,7 @@ async def test_turns_travel_as_deltas_and_stay_exact(tmp_path):
     assert after_wire["sent_base_missing"] - before_wire["sent_base_missing"] == 1
     k = len(req.resume_tokens)
     np.testing.assert_array_equal(third.completion_tokens[:k], req.resume_tokens)
-    np.testing.assert_allclose(third.logprobs[k:], _logp_after(params, prompt, third, k),
+    np.testing.assert_allclose(third.logprobs[k:], _continuation_logp(params, prompt, third, k, CFG),
                                atol=1e-4)
   finally:
     await client.close()

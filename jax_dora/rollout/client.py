@@ -101,7 +101,6 @@ class GrpcRolloutClient:
     without the context the server holds, and comes back without it (``wire_delta.py``;
     ``rollout.resume_deltas``)."""
     self.offers = offers
-    self.resume_deltas = bool(resume_deltas)
     self._contexts = wire_delta.HeldContexts(
         wire_delta.DEFAULT_CAPACITY if resume_deltas else 0)
     # Since this client was made: Generate requests by how they went out
