@@ -374,3 +374,29 @@ def test_miscopied_share_reads_the_answer_line_against_the_last_worked_line():
   ]
   assert rl_from_base.miscopied_share(completions) == 2 / 3
   assert rl_from_base.miscopied_share(["no lines"]) is None
+
+
+def test_pool_rounds_by_hand(tmp_path, capsys):
+  """Rounds of two records pooled on a log scale: 0.5x and 2x rounds average to 1x, not 1.25x;
+  the interval is the t-interval of the logs, computed here from the textbook formula."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import pool_rounds  # pylint: disable=g-import-not-at-top
+
+  def record(ref_rates, mode_rates):
+    return {"date": "d", "overrides": [], "per_round": {
+        "a": [{"steps_per_s": r, "final_eval_reward": 1.0} for r in ref_rates],
+        "b@x": [{"steps_per_s": r, "final_eval_reward": 0.5} for r in mode_rates]}}
+
+  (tmp_path / "one.json").write_text(json.dumps(record([2.0, 1.0], [1.0, 2.0])))
+  (tmp_path / "two.json").write_text(json.dumps(record([1.0, 1.0], [1.0, 1.0])))
+  out = pool_rounds.main([f"{tmp_path / 'one.json'}:a:b@x", f"{tmp_path / 'two.json'}:a:b@x"])
+  # Ratios 0.5, 2, 1, 1: logs -l, +l, 0, 0 with l = ln 2; mean 0, sample sd = l * sqrt(2/3).
+  assert out["rounds"] == 4 and out["geomean"] == pytest.approx(1.0)
+  assert out["at_or_above_1"] == 3
+  half = 3.182446 * math.log(2) * math.sqrt(2 / 3) / 2  # t(3) 97.5% quantile: 3.1824
+  assert out["low"] == pytest.approx(math.exp(-half), rel=1e-5)
+  assert out["high"] == pytest.approx(math.exp(half), rel=1e-5)
+  printed = capsys.readouterr().out
+  assert "0.500, 2.000" in printed and "held-out reward 0.500 vs 1.000" in printed
+  with pytest.raises(SystemExit, match="not in this record"):
+    pool_rounds.main([f"{tmp_path / 'one.json'}:a:nope"])
