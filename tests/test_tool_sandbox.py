@@ -10,8 +10,10 @@ does not allow it) and the ``process`` fallback.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
+import site
 import socket
 import subprocess
 import sys
@@ -107,6 +109,25 @@ async def test_prints_the_answer(make):
   r, _ = await run(tool, "import math, numpy\nprint(sum(range(10)), math.factorial(5), "
                          "int(numpy.arange(4).sum()))\n")
   assert (r.status, r.exit_code, r.observation, r.truncated) == ("ok", 0, "45 120 6\n", False)
+
+
+async def test_site_builtins_and_packages_without_pth_processing(make):
+  """The interpreter runs with ``-S`` (``sandbox.site_paths``): what programs use from
+  ``site`` is still there (``exit``/``quit``/``help``, site-packages imports), and no
+  ``.pth`` file was executed (the oracle: CPython's own ``sys.flags.no_site``, and the
+  host's ``site`` module listing the directories the program must see)."""
+  tool = make()
+  expected = [p for p in site.getsitepackages() if os.path.isdir(p)]
+  r, _ = await run(tool, "import sys, json\nimport numpy\n"
+                         "print(sys.flags.no_site, callable(help), json.dumps(sys.path))\n"
+                         "quit(4)\n")
+  assert (r.status, r.exit_code) == ("error", 4), r.observation
+  no_site, has_help, path_json = r.observation.splitlines()[0].split(" ", 2)
+  assert (no_site, has_help) == ("1", "True")
+  paths = json.loads(path_json)
+  assert all(p in paths for p in expected) and paths.index(expected[0]) > 0
+  r, _ = await run(tool, "print('ok'); exit()\n")
+  assert (r.status, r.exit_code, r.observation) == ("ok", 0, "ok\n")
 
 
 async def test_error_is_an_observation(make):
@@ -383,6 +404,13 @@ async def test_a_venv_reached_through_a_linked_directory_keeps_its_isolation(tmp
   result = await tool.run(ToolCall("python", "print(6 * 7)"))
   assert result.status == "ok" and result.observation.strip() == "42", result
   tool.close()
+
+
+def test_a_configuration_that_is_not_a_literal_is_refused_on_the_host():
+  """The sandbox's configuration travels as a Python literal (``sandbox.python_c``); a value
+  whose ``repr`` is not one (an infinite limit) fails before any process starts."""
+  with pytest.raises(ValueError, match="not expressible as a Python literal"):
+    sandbox.runner_args(sandbox.PROCESS, Limits(cpu_s=float("inf")), "/tmp", (), [])
 
 
 def test_registry_and_options():

@@ -129,6 +129,7 @@ class PythonTool:
       raise ValueError(f"python tool: interpreter {self.python!r} is not executable")
     self.protected = tuple(os.path.abspath(p) for p in protected)
     self.readonly = sandbox.readonly_paths(self.python, tuple(readonly))
+    self.site_paths = sandbox.site_paths(self.python)
     self.uid_base = _default_uid_base() if uid_base is None else int(uid_base)
     self.max_code_bytes = int(max_code_bytes)
     self.isolation: str | None = None if isolation == AUTO else isolation
@@ -200,13 +201,15 @@ class PythonTool:
       if isolation in sandbox.NAMESPACED:
         argv = sandbox.namespace_argv(self.python, limits, self.uid_base + slot,
                                       self._root_mount_point(), self.readonly, self.protected,
-                                      token, user_namespace=isolation == sandbox.USERNS)
+                                      token, self.site_paths,
+                                      user_namespace=isolation == sandbox.USERNS)
         cwd, env, stdin = "/", sandbox.environment("/tmp"), asyncio.subprocess.PIPE
       else:
         workdir = tempfile.mkdtemp(prefix="jax-dora-tool-")
         with open(os.path.join(workdir, MAIN), "wb") as f:
           f.write(code)
-        argv = sandbox.process_argv(self.python, limits, workdir, self.protected)
+        argv = sandbox.process_argv(self.python, limits, workdir, self.protected,
+                                    self.site_paths)
         cwd, env, stdin = workdir, sandbox.environment(workdir), asyncio.subprocess.DEVNULL
       try:
         proc = await asyncio.create_subprocess_exec(

@@ -2,7 +2,8 @@
 
 Runs as root inside the new mount, network, PID, IPC and UTS namespaces that
 ``unshare`` made (``sandbox.namespace_argv``), from source passed with
-``python -I -S -B -c``, so it imports only the standard library. One process
+``python -I -S -B -c``, so it imports only the standard library (its
+configuration is a Python literal appended to that source: no ``json`` import). One process
 doing the mounts with ``mount(2)`` through ctypes costs one interpreter
 start; the shell script it replaced forked ``mount``/``mkdir`` some 25 times
 and tripled the per-call overhead.
@@ -29,7 +30,6 @@ could learn to, if the orchestrator treats sandbox errors differently).
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import sys
 
@@ -183,8 +183,8 @@ def _start(root: str, uid: int, argv: list[str], token: str, change_uid: bool = 
   os._exit(SETUP_FAILED_EXIT_CODE)
 
 
-def main(argv: list[str]) -> int:
-  cfg = json.loads(argv[1])
+def main(cfg: dict) -> int:
+  """``cfg``: what ``sandbox.namespace_argv`` wrote as a literal after this source."""
   code = sys.stdin.buffer.read()
   try:
     build_root(cfg["root"], cfg["uid"], cfg["size"], cfg["readonly"], cfg["hide"], code)
@@ -197,6 +197,3 @@ def main(argv: list[str]) -> int:
     if pid == child:
       return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
-
-if __name__ == "__main__":
-  sys.exit(main(sys.argv))

@@ -1,8 +1,9 @@
 """The first code that runs inside a sandbox, before the model's program.
 
-Its source is passed to the sandbox interpreter with ``python -I -B -c``, so
-it must import nothing but the standard library (the sandbox sees no
-``jax_dora``). It lowers the resource limits on itself (they are inherited
+Its source is passed to the sandbox interpreter with ``python -I -S -B -c``,
+its configuration appended as a Python literal, so it must import nothing but
+the standard library (the sandbox sees no ``jax_dora``), and imports little of
+that: every import is paid by every tool call (``sandbox.site_paths``). It lowers the resource limits on itself (they are inherited
 by anything the program starts, and lowering needs no privilege), then runs
 ``main.py`` from the working directory as ``__main__`` with tracebacks that
 start at the program's own frames (the model should not read about this
@@ -23,11 +24,9 @@ around them.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
-import traceback
 
 MEMORY_EXIT_CODE = 121
 MAIN = "main.py"
@@ -110,20 +109,35 @@ def _install_guard(workdir: str, protected: list[str]) -> None:
   sys.addaudithook(hook)
 
 
+def _add_site(paths: list[str]) -> None:
+  """What ``site`` gives a program, without its ``.pth`` processing (the interpreter runs
+  with ``-S``; ``sandbox.site_paths`` says why): the site-packages directories on
+  ``sys.path`` and the builtins ``exit``, ``quit``, ``help``, ``copyright``, ``credits``
+  and ``license`` that programs call. ``import site`` under ``-S`` changes nothing by
+  itself."""
+  import site  # pylint: disable=import-outside-toplevel
+  site.setquit()
+  site.setcopyright()
+  site.sethelper()
+  sys.path.extend(p for p in paths if p not in sys.path)
+
+
 def _print_exception(exc: BaseException) -> None:
   """The traceback without this runner's frame (the program's own frames only)."""
+  import traceback  # pylint: disable=import-outside-toplevel  (only programs that fail pay it)
   tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
   traceback.print_exception(type(exc), exc, tb)
 
 
-def main(argv: list[str]) -> int:
-  spec = json.loads(argv[1])
+def main(spec: dict) -> int:
+  """``spec``: what ``sandbox.runner_args`` wrote as a literal after this source."""
   workdir = spec["workdir"]
   os.chdir(workdir)
   with open(MAIN, encoding="utf-8", errors="replace") as f:
     source = f.read()
   sys.argv = [MAIN]
   sys.path.insert(0, workdir)
+  _add_site(spec.get("site_paths", []))
   # Line-buffered, so what was printed before a timeout's SIGKILL is seen.
   for stream in (sys.stdout, sys.stderr):
     stream.reconfigure(encoding="utf-8", errors="backslashreplace", line_buffering=True)
@@ -133,6 +147,7 @@ def main(argv: list[str]) -> int:
   try:
     code = compile(source, MAIN, "exec")
   except (SyntaxError, ValueError) as e:
+    import traceback  # pylint: disable=import-outside-toplevel
     traceback.print_exception(type(e), e, None)
     return 1
   namespace = {"__name__": "__main__", "__file__": os.path.join(workdir, MAIN),
@@ -149,6 +164,3 @@ def main(argv: list[str]) -> int:
     return 1
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main(sys.argv))
