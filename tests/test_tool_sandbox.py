@@ -413,6 +413,16 @@ def test_a_configuration_that_is_not_a_literal_is_refused_on_the_host():
     sandbox.runner_args(sandbox.PROCESS, Limits(cpu_s=float("inf")), "/tmp", (), [])
 
 
+def test_an_interpreter_that_cannot_answer_is_a_clear_error(tmp_path):
+  """``PythonTool(python=...)`` asks that interpreter for its site-packages once; one that
+  fails to run is a ValueError naming it, not a traceback from subprocess."""
+  broken = tmp_path / "python3"
+  broken.write_text("#!/bin/sh\necho 'no such module: site' >&2\nexit 1\n")
+  broken.chmod(0o755)
+  with pytest.raises(ValueError, match="could not ask the interpreter .*no such module"):
+    sandbox.site_paths(str(broken))
+
+
 def test_registry_and_options():
   assert isinstance(make_tool("python", max_output_bytes=10), PythonTool)
   with pytest.raises(UnknownNameError, match="known tools: .*python"):

@@ -202,10 +202,16 @@ def site_paths(python: str) -> list[str]:
   """
   if os.path.realpath(python) == os.path.realpath(sys.executable):
     return [p for p in site.getsitepackages() if os.path.isdir(p)]
-  out = subprocess.run([python, "-I", "-c", "import json, site;"
-                        " print(json.dumps(site.getsitepackages()))"],
-                       capture_output=True, text=True, timeout=60, check=True)
-  return [p for p in json.loads(out.stdout) if os.path.isdir(p)]
+  try:
+    out = subprocess.run([python, "-I", "-c", "import json, site;"
+                          " print(json.dumps(site.getsitepackages()))"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    paths = json.loads(out.stdout.strip().splitlines()[-1])
+  except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+    detail = getattr(e, "stderr", None) or e
+    raise ValueError(f"python tool: could not ask the interpreter {python!r} for its"
+                     f" site-packages directories: {detail}") from e
+  return [p for p in paths if isinstance(p, str) and os.path.isdir(p)]
 
 
 def python_c(module: types.ModuleType, cfg: dict[str, Any]) -> list[str]:
