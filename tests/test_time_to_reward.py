@@ -141,15 +141,15 @@ def test_a_finished_run_is_not_run_again(tmp_path, capsys):
   assert "done before" in capsys.readouterr().out
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="split placement needs 2 cores")
 def test_time_to_reward_tiny_budget_end_to_end(tmp_path):
   """sync and dora_pace for a few seconds each, evaluated offline from kept
   snapshots; the table, the JSON and the figure come out consistent.
 
-  Slow (2-3 minutes on the 2-core CI machine: four processes start and
-  compile): the schedule, the targets and the version lookup it relies on
-  are checked by hand in the default suite above."""
+  In the default suite (issue 37's acceptance: the benchmark runs end to end
+  in CI on the tiny config): ~2 minutes on the 2-core CI machine (126 s
+  measured 12-07: four processes start and compile). The schedule, the
+  targets and the version lookup it relies on are also checked by hand above."""
   proc = subprocess.run(
       [sys.executable, "benchmarks/time_to_reward.py", "--budget_s=6", "--every_s=3",
        "--seeds=1", "--modes=dora_pace", "--eval_prompts=8", f"--out={tmp_path}", "--greedy",
